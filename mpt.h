@@ -348,7 +348,8 @@
        @impl-convert      float conversions: the kernel the CPU allows, over
                           the pool (mpt__convert); AVX2 and AVX-512 kernels
        @impl-activations  the activations on the CPU, the GEMM epilogue's and
-                          the layers' (their rules: @backend-shared)
+                          the layers' (their rules: @backend-shared); GELU
+                          and exp in AVX-512
        @impl-gemm         the CPU GEMM: blocking, tasks, the driver (the
                           layers reach it through the backend's gemm)
        @impl-gemm-kernels the GEMM's packing and micro-kernels: portable,
@@ -8977,6 +8978,7 @@ typedef struct mpt__ln_job {
     double *part;                 /* backward: (n_chunks, 2, D) each chunk's
                                      Σ dy and Σ dy · x̂                        */
     mpt__convert_fn widen, narrow; /* dtype to float32 and back              */
+    int cpu;                      /* the context's features                  */
 } mpt__ln_job;
 
 /* k elements of p (in the job's dtype) from element `at`, as float32 into f. */
@@ -9063,10 +9065,90 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     }
 }
 
+#if MPT__X86
+/* mpt__ln_forward_row in AVX-512, 16 elements a step (the tail masked), x
+   widened and y narrowed in registers. The same steps, but the row's two
+   sums in double are taken in 16 lanes (two vectors of 8, the squared
+   deviations added by FMAs) and then added across: another order than
+   the scalar loop's, as mpt_cuda.cu's is, so a row's mean and inv_std may
+   differ from it in the last bit. x̂ and y are @backend-shared's
+   mpt__ln_xhat and mpt__ln_output lane by lane, each step rounded on its
+   own (the explicit rounding forms, which no compiler contracts into an
+   FMA). The scalar loop's sums are chains of dependent double additions,
+   a few cycles an element; here a row of 256 takes 16 steps a pass. */
+#define MPT__LN_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__ln_forward_row_loop(
+    mpt_dtype dtype, const mpt_layernorm_args *a, int64_t r) {
+    const int64_t D = a->cols;
+    const size_t es = dtype == MPT_FLOAT32 ? 4 : 2;
+    const char *x = (const char *)a->x + (size_t)(r * D) * es;
+    char *y = (char *)a->y + (size_t)(r * D) * es;
+    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd(), mean_d;
+    __m512 vmean, vinv;
+    float mean, inv_std;
+    int64_t c;
+    for (c = 0; c < D; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, D - c));
+        const __m512 v = mpt__avx512_load(dtype, x + (size_t)c * es, m); /* 0 past D */
+        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+    }
+    mean = mpt__ln_row_mean(_mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1)), D);
+    mean_d = _mm512_set1_pd((double)mean);
+    sum0 = sum1 = _mm512_setzero_pd();
+    for (c = 0; c < D; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, D - c));
+        const __m512 v = mpt__avx512_load(dtype, x + (size_t)c * es, m);
+        const __m512d d0 = _mm512_maskz_sub_pd((__mmask8)m, _mm512_cvtps_pd(
+                                                   _mm512_castps512_ps256(v)), mean_d);
+        const __m512d d1 = _mm512_maskz_sub_pd((__mmask8)(m >> 8), _mm512_cvtps_pd(
+                                                   _mm512_extractf32x8_ps(v, 1)), mean_d);
+        sum0 = _mm512_fmadd_pd(d0, d0, sum0);
+        sum1 = _mm512_fmadd_pd(d1, d1, sum1);
+    }
+    inv_std = mpt__ln_row_inv_std(_mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1)), D,
+                                  a->epsilon);
+    a->mean[r] = mean;
+    a->inv_std[r] = inv_std;
+    vmean = _mm512_set1_ps(mean);
+    vinv = _mm512_set1_ps(inv_std);
+    for (c = 0; c < D; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, D - c));
+        const __m512 v = mpt__avx512_load(dtype, x + (size_t)c * es, m);
+        const __m512 xhat = _mm512_mul_round_ps(_mm512_sub_round_ps(v, vmean, MPT__LN_RN), vinv,
+                                                MPT__LN_RN);
+        const __m512 g = a->gamma ? _mm512_maskz_loadu_ps(m, a->gamma + c) : _mm512_set1_ps(1.0f);
+        const __m512 b = a->beta ? _mm512_maskz_loadu_ps(m, a->beta + c) : _mm512_setzero_ps();
+        mpt__avx512_store(dtype, y + (size_t)c * es,
+                          _mm512_add_round_ps(_mm512_mul_round_ps(xhat, g, MPT__LN_RN), b,
+                                              MPT__LN_RN),
+                          m);
+    }
+}
+#undef MPT__LN_RN
+
+MPT__TARGET_AVX512 static void mpt__ln_forward_rows_avx512(const mpt_layernorm_args *a, int64_t r0,
+                                                          int64_t r1) {
+    int64_t r;
+    if (a->dtype == MPT_BFLOAT16)
+        for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_BFLOAT16, a, r);
+    else if (a->dtype == MPT_FLOAT16)
+        for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_FLOAT16, a, r);
+    else
+        for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_FLOAT32, a, r);
+}
+#endif
+
 static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
     const mpt__ln_job *j = (const mpt__ln_job *)arg;
     int64_t r0 = chunk * j->chunk_rows, r1 = MPT__MIN(j->a->rows, r0 + j->chunk_rows), r;
     (void)thread;
+#if MPT__X86
+    if (j->cpu & MPT_CPU_AVX512) {
+        mpt__ln_forward_rows_avx512(j->a, r0, r1);
+        return;
+    }
+#endif
     for (r = r0; r < r1; r++) mpt__ln_forward_row(j, r);
 }
 
@@ -9104,6 +9186,7 @@ static mpt__ln_job mpt__ln_job_for(const mpt_context *ctx, const mpt_layernorm_a
     j.part = part;
     j.widen = half ? mpt__convert_kernel(ctx->cpu, MPT_FLOAT32, a->dtype) : mpt__ln_copy;
     j.narrow = half ? mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32) : mpt__ln_copy;
+    j.cpu = ctx->cpu;
     return j;
 }
 
@@ -9366,12 +9449,66 @@ static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int t
     mpt__gemm(ctx, &g);
 }
 
+#if MPT__X86
+/* Defined below, in @impl-activations. */
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v);
+
+/* mpt__attn_softmax_row 16 keys at a time: the same steps (the scores
+   scaled, the row's largest, Σ exp(s − max) in double, each weight
+   exp(s − max)·(1/Σ)), with mpt__exp_avx512 for expf, evaluated once a
+   key and kept in p, and the double sum taken in 16 lanes, then added
+   across. So the weights differ from the scalar rule's (@backend-shared-
+   training's mpt__attn_weight, which CUDA runs) in the last bits: each
+   is within 3.6e-7 relative of the softmax in double (test_attention's
+   test_softmax_row_vector holds it to 5e-7). NaN scores give NaN weights,
+   as the scalar rule's; -inf ones (s − max below -104) give 0. */
+MPT__TARGET_AVX512 static void mpt__attn_softmax_row_avx512(float *p, int64_t seen, int64_t n,
+                                                           float scale) {
+    const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-104.0f);
+    __m512 vmax = _mm512_set1_ps(-INFINITY), vinv;
+    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
+    int64_t c;
+    for (c = 0; c < seen; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + c), vscale);
+        _mm512_mask_storeu_ps(p + c, m, v);
+        vmax = _mm512_mask_max_ps(vmax, m, v, vmax); /* a NaN score is passed over */
+    }
+    vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    for (c = 0; c < seen; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
+        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + c), vmax);
+        const __m512 e = _mm512_maskz_mov_ps(m, mpt__exp_avx512(_mm512_max_ps(floor, d)));
+        _mm512_mask_storeu_ps(p + c, m, e);
+        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                      _mm512_castps_pd(e), 1))));
+    }
+    vinv = _mm512_set1_ps((float)(1.0 / _mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1))));
+    for (c = 0; c < n; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - c));
+        const __mmask16 in = c < seen ? mpt__gemm_mask16((int)MPT__MIN(16, seen - c)) : 0;
+        _mm512_mask_storeu_ps(p + c, m,
+                              _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + c), vinv));
+    }
+}
+#endif
+
 /* A row of scores as weights: the first `seen` of p's n scaled and put
-   through the softmax (float32, Σ in double), the rest zero. */
-static void mpt__attn_softmax_row(float *p, int64_t seen, int64_t n, float scale) {
+   through the softmax (float32, Σ in double), the rest zero. cpu: the
+   context's features (the AVX-512 form above where it has them). */
+static void mpt__attn_softmax_row(int cpu, float *p, int64_t seen, int64_t n, float scale) {
     float row_max = -INFINITY, inv_sum;
     double sum = 0;
     int64_t c;
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__attn_softmax_row_avx512(p, seen, n, scale);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
     for (c = 0; c < seen; c++) {
         p[c] = mpt__fmul_rn(p[c], scale);
         row_max = p[c] > row_max ? p[c] : row_max;
@@ -9393,7 +9530,7 @@ static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int6
         float *p = s->p + r * n;
         int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
         uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
-        mpt__attn_softmax_row(p, seen, n, a->scale);
+        mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
         for (c = 0; c < n; c++) {
             float kept = p[c];
             if (j->dropout && c < seen)
@@ -17699,6 +17836,7 @@ static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t)
 /* Defined in @impl-activations. */
 static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols);
 static void mpt__activation_forward(mpt_activation act, float *x, int64_t n);
+static void mpt__activation_forward_cpu(int cpu, mpt_activation act, float *x, int64_t n);
 
 /* The walk's state: a row per node (node 0, the ids, has none: its id
    is `id`), and each
@@ -17792,7 +17930,7 @@ static void mpt__gen_attention(mpt__gen *g, int i, const float *x, float *y) {
             for (e = 0; e < dk; e++) s += q[h * dk + e] * g->keys[i][j * qk + h * dk + e];
             p[j] = s;
         }
-        mpt__attn_softmax_row(p, t + 1, t + 1, scale);
+        mpt__attn_softmax_row(g->m->ctx->cpu, p, t + 1, t + 1, scale);
         for (e = 0; e < dv; e++) o[h * dv + e] = 0;
         for (j = 0; j <= t; j++)
             for (e = 0; e < dv; e++) o[h * dv + e] += p[j] * g->values[i][(j * H + h) * dv + e];
@@ -17843,8 +17981,8 @@ static void mpt__gen_layer(mpt__gen *g, int i) {
     }
     if (mpt__layer_activation(L) == MPT_ACT_SOFTMAX)
         mpt__softmax_rows(y, 1, out);
-    else if (mpt__layer_activation(L) != MPT_ACT_NONE)
-        mpt__activation_forward(mpt__layer_activation(L), y, out);
+    else if (mpt__layer_activation(L) != MPT_ACT_NONE) /* as the layers' passes */
+        mpt__activation_forward_cpu(g->m->ctx->cpu, mpt__layer_activation(L), y, out);
 }
 
 /* Position g->t of id `id`, through every layer; then the cache holds it. */
@@ -26446,7 +26584,12 @@ static float mpt__relu_grad(float y, float dy) { return y <= 0 ? 0.0f : dy; }
 /* GELU (and its derivative), the sigmoid and the sigmoid's and tanh's
    gradients are @backend-shared's mpt__gelu, mpt__gelu_derivative,
    mpt__sigmoid, mpt__sigmoid_grad and mpt__tanh_grad: the CUDA kernels run
-   them too. */
+   them too. Where the CPU has AVX-512, GELU and its derivative run
+   mpt__gelu_avx512 and mpt__gelu_derivative_avx512 below instead (the same
+   function, polynomials for erff and expf: within about an ulp of 1 of
+   each other), through mpt__activation_forward_cpu (the layers' passes,
+   the GEMM's epilogue, generation) and mpt__activation_grad. The
+   quantized model's float passes keep the scalar rule. */
 
 /* Softmax of each row of x (rows × cols), in place, in float32. */
 static void mpt__softmax_rows(float *x, int64_t rows, int64_t cols) {
@@ -26499,6 +26642,148 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
         break;
     default: break;
     }
+}
+
+#if MPT__X86
+/* ---- GELU 16 lanes at a time ------------------------------------------------
+   The exact GELU x·Φ(x) and its derivative Φ(x) + x·φ(x) in AVX-512, for
+   the layers' passes (mpt__activation_forward_cpu, mpt__activation_grad).
+   The rule is @backend-shared-training's mpt__gelu and
+   mpt__gelu_derivative, the same mathematics, evaluated otherwise: libm's
+   erff and expf there (the portable build and the CUDA kernels run that),
+   polynomials here, so the two differ in the last bits. Every element goes
+   through the same instructions (tails masked, never the scalar rule), so
+   the results do not depend on how a pass is split among threads.
+
+   With t = |x| and E = exp(-t²/2):
+     t < 1.25   Φ(x) = ½ + x·P(t²)       P: 6 coefficients (odd series of
+                                          Φ − ½ in x)
+     t ≥ 1.25   Φ(-t) = E·R(q),           q = 1/(1 + 0.3·t), R: 10
+                Φ(x) = Φ(-t) for x < 0,   coefficients; R(q) = Φ(-t)·exp(t²/2)
+                       1 − Φ(-t) else     is smooth in q down to q = 0 (t → ∞)
+   Fitted (weighted least squares toward minimax) in double precision:
+   relative error 1.1e-8 for (Φ − ½)/x on [0, 1.25] and 3.5e-9 for R on
+   [1.25, 16]. E takes t² as hi + lo (an FMA gives lo exactly) so that its
+   rounding does not become E's relative error where t² is large. t is
+   clamped at 16 (E = 0 past it in float32), which keeps +inf's GELU inf;
+   NaN passes through, and ±inf give what the scalar rule gives. In
+   float32 with these rounded coefficients, against double erf over 2^22
+   points of [-16, 16] (test_dense's test_gelu_vector, which holds it to
+   1.5e-7, 1.5e-7 and 1e-6): GELU within 1.19e-7·max(1, |x|), its
+   derivative within 1.32e-7, about one float32 ulp of 1, as the scalar
+   rule with glibc's erff (1.07e-7, 1.39e-7); and GELU within 5e-7
+   relative on (-9, 0), where the scalar rule's 1 + erf cancels (relative
+   error 1 from x ≈ -5.5, where erff rounds to -1 and GELU to -0). */
+
+/* exp(v) for v ≤ 0 (v ≥ -128 here): v = n·ln2 + r, |r| ≤ ½ln2, with ln2 in
+   two parts (Cody and Waite), exp(r) = 1 + r + r²·S(r) (S: degree 5,
+   relative error 6e-11), scaled by 2^n with vscalefps (which rounds into
+   the subnormals and gives 0 below them). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);
+    __m512 s = _mm512_set1_ps(0.000198264432f);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    s = _mm512_fmadd_ps(s, r, _mm512_set1_ps(0.00139460212f));
+    s = _mm512_fmadd_ps(s, r, _mm512_set1_ps(0.00833342969f));
+    s = _mm512_fmadd_ps(s, r, _mm512_set1_ps(0.0416662693f));
+    s = _mm512_fmadd_ps(s, r, _mm512_set1_ps(0.166666657f));
+    s = _mm512_fmadd_ps(s, r, _mm512_set1_ps(0.5f));
+    s = _mm512_fmadd_ps(_mm512_mul_ps(r, r), s, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(s, n);
+}
+
+/* Φ(x) and E = exp(-x²/2) of 16 lanes (NaN lanes: the caller's). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__normal_cdf_avx512(__m512 x, __m512 *e) {
+    const __m512 t = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(16.0f));
+    const __m512 hi = _mm512_mul_ps(t, t), lo = _mm512_fmsub_ps(t, t, hi);
+    const __m512 e0 = mpt__exp_avx512(_mm512_mul_ps(hi, _mm512_set1_ps(-0.5f)));
+    const __m512 q = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                   _mm512_fmadd_ps(t, _mm512_set1_ps(0.3f), _mm512_set1_ps(1.0f)));
+    const __m512 s = _mm512_mul_ps(x, x);
+    const __mmask16 small = _mm512_cmp_ps_mask(t, _mm512_set1_ps(1.25f), _CMP_LT_OQ);
+    const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 r = _mm512_set1_ps(0.0246001445f), p = _mm512_set1_ps(-6.54261476e-06f), tail;
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(-0.064376086f));
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(0.0158065613f));
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(0.0409542806f));
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(0.0414109081f));
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(0.0951474011f));
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(0.106825031f));
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(0.120013952f));
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(0.11965365f));
+    r = _mm512_fmadd_ps(r, q, _mm512_set1_ps(1.08347353e-06f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(0.000109878027f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-0.00118198735f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(0.00997098908f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(-0.0664898381f));
+    p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(0.398942232f));
+    /* E = exp(-hi/2)·exp(-lo/2) ≈ e0·(1 − lo/2) */
+    *e = _mm512_fmadd_ps(e0, _mm512_mul_ps(lo, _mm512_set1_ps(-0.5f)), e0);
+    tail = _mm512_mul_ps(*e, r); /* Φ(-t) */
+    tail = _mm512_mask_sub_ps(tail, (__mmask16)~negative, _mm512_set1_ps(1.0f), tail);
+    return _mm512_mask_blend_ps(small, tail, _mm512_fmadd_ps(x, p, _mm512_set1_ps(0.5f)));
+}
+
+/* GELU x·Φ(x) of 16 lanes. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__gelu_avx512(__m512 x) {
+    __m512 e;
+    const __m512 y = _mm512_mul_ps(x, mpt__normal_cdf_avx512(x, &e));
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* GELU's derivative Φ(x) + x·φ(x), φ(x) = E/√(2π), of 16 lanes. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__gelu_derivative_avx512(__m512 x) {
+    __m512 e;
+    const __m512 cdf = mpt__normal_cdf_avx512(x, &e);
+    const __m512 d = _mm512_fmadd_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.398942280f)), e, cdf);
+    return _mm512_mask_mov_ps(d, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* x = GELU(x) on n floats, in place. */
+MPT__TARGET_AVX512 static void mpt__gelu_forward_avx512(float *x, int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        _mm512_mask_storeu_ps(x + i, m, mpt__gelu_avx512(_mm512_maskz_loadu_ps(m, x + i)));
+    }
+}
+
+/* dz = dy · GELU'(z), z and dy in dtype (widened in registers, exactly),
+   dz float32: one pass where widening both first took three. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__gelu_backward_loop(
+    mpt_dtype dtype, const void *z, const void *dy, float *dz, int64_t n) {
+    const size_t es = dtype == MPT_FLOAT32 ? 4 : 2;
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        const __m512 zv = mpt__avx512_load(dtype, (const char *)z + (size_t)i * es, m);
+        const __m512 dyv = mpt__avx512_load(dtype, (const char *)dy + (size_t)i * es, m);
+        _mm512_mask_storeu_ps(dz + i, m, _mm512_mul_ps(dyv, mpt__gelu_derivative_avx512(zv)));
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__gelu_backward_avx512(mpt_dtype dtype, const void *z,
+                                                        const void *dy, float *dz, int64_t n) {
+    if (dtype == MPT_BFLOAT16) mpt__gelu_backward_loop(MPT_BFLOAT16, z, dy, dz, n);
+    else if (dtype == MPT_FLOAT16) mpt__gelu_backward_loop(MPT_FLOAT16, z, dy, dz, n);
+    else mpt__gelu_backward_loop(MPT_FLOAT32, z, dy, dz, n);
+}
+#endif
+
+/* y = act(x) in place on n floats, as mpt__activation_forward, with the
+   AVX-512 GELU where cpu (the context's features) has it. */
+static void mpt__activation_forward_cpu(int cpu, mpt_activation act, float *x, int64_t n) {
+#if MPT__X86
+    if (act == MPT_ACT_GELU && (cpu & MPT_CPU_AVX512)) {
+        mpt__gelu_forward_avx512(x, n);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
+    mpt__activation_forward(act, x, n);
 }
 
 /* =============================================================================
@@ -26607,8 +26892,9 @@ typedef struct mpt__gemm_job {
    The driver
    ----------------------------------------------------------------------------- */
 
-/* Epilogue-only product (K = 0 or alpha = 0): C = beta·C, + bias, act. */
-static void mpt__gemm_scale_c(const mpt_gemm_desc *d) {
+/* Epilogue-only product (K = 0 or alpha = 0): C = beta·C, + bias, act.
+   cpu: the context's features. */
+static void mpt__gemm_scale_c(int cpu, const mpt_gemm_desc *d) {
     int64_t i, j;
     for (i = 0; i < d->m; i++) {
         float *c = d->c + i * d->ldc;
@@ -26616,7 +26902,7 @@ static void mpt__gemm_scale_c(const mpt_gemm_desc *d) {
             float v = d->beta != 0 ? d->beta * c[j] : 0.0f;
             c[j] = d->bias ? v + d->bias[j] : v;
         }
-        mpt__activation_forward(d->activation, c, d->n);
+        mpt__activation_forward_cpu(cpu, d->activation, c, d->n);
     }
 }
 
@@ -26703,7 +26989,8 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
                     if (last && d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU) {
                         int i;
                         for (i = 0; i < mb; i++)
-                            mpt__activation_forward(d->activation, c + i * d->ldc, n);
+                            mpt__activation_forward_cpu(job->ctx->cpu, d->activation,
+                                                        c + i * d->ldc, n);
                     }
                 }
             }
@@ -26808,7 +27095,7 @@ static void mpt__gemm_typed(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dtype 
     int64_t tasks_m;
     if (d->m <= 0 || d->n <= 0) return;
     if (d->k <= 0 || d->alpha_is_zero) {
-        mpt__gemm_scale_c(d);
+        mpt__gemm_scale_c(ctx->cpu, d);
         return;
     }
     memset(&job, 0, sizeof job);
@@ -27451,7 +27738,7 @@ MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job
     }
     if (d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU)
         for (i = 0; i < d->m; i++)
-            mpt__activation_forward(d->activation, d->c + i * d->ldc + j0, n);
+            mpt__activation_forward_cpu(job->ctx->cpu, d->activation, d->c + i * d->ldc + j0, n);
 }
 #undef MPT__FEW_VECS4
 #undef MPT__FEW_1x4
@@ -27557,6 +27844,10 @@ static void mpt__activation_grad(mpt_context *ctx, mpt_activation act, mpt_dtype
 #if MPT__X86
     if (act == MPT_ACT_RELU && dtype != MPT_FLOAT32 && (ctx->cpu & MPT_CPU_AVX512)) {
         mpt__relu_backward_half(ctx, dtype, y, dy, dz, n);
+        return;
+    }
+    if (act == MPT_ACT_GELU && (ctx->cpu & MPT_CPU_AVX512)) {
+        mpt__gelu_backward_avx512(dtype, z, dy, dz, n);
         return;
     }
 #endif
@@ -39120,13 +39411,40 @@ static void mpt__cpu_lookup_u8(void *impl, mpt_dtype dtype, void *dst, const voi
         for (i = 0; i < n; i++) ((uint16_t *)dst)[i] = ((const uint16_t *)table)[src[i]];
 }
 
+typedef struct mpt__activation_job {
+    int cpu;
+    mpt_activation act;
+    float *x;
+    int64_t n;
+} mpt__activation_job;
+
+static void mpt__activation_task(void *arg, int64_t task, int thread) {
+    const mpt__activation_job *j = (const mpt__activation_job *)arg;
+    const int64_t i = task * MPT__CONVERT_CHUNK;
+    (void)thread;
+    mpt__activation_forward_cpu(j->cpu, j->act, j->x + i, MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+}
+
+/* Elementwise activations over the pool in mpt__convert's chunks (each
+   element on its own: any split gives the same bits); softmax by rows on
+   the caller's thread. */
 static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_t rows,
                                 int64_t cols) {
-    (void)impl;
-    if (act == MPT_ACT_SOFTMAX)
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__activation_job j;
+    if (act == MPT_ACT_SOFTMAX) {
         mpt__softmax_rows(x, rows, cols);
+        return;
+    }
+    j.cpu = ctx->cpu;
+    j.act = act;
+    j.x = x;
+    j.n = rows * cols;
+    if (j.n < 2 * MPT__CONVERT_CHUNK || act == MPT_ACT_NONE || act == MPT_ACT_RELU)
+        mpt__activation_forward_cpu(j.cpu, act, x, j.n);
     else
-        mpt__activation_forward(act, x, rows * cols);
+        mpt__parallel_for(ctx, (j.n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
+                          mpt__activation_task, &j);
 }
 
 /* The activation's gradient and the bias gradient's column sums run in

@@ -5,6 +5,8 @@
        gcc -std=c99 -O2 -I. bench/bench_gemm.c -o build/bench_gemm -lpthread -lm -lz
        ./build/bench_gemm            (all shapes; about a minute)
        ./build/bench_gemm quick      (1024³ only)
+       ./build/bench_gemm gpt        (examples/gpt.c's products only, each with
+                                      its share of the peak measured around it)
 
    Prints a Markdown table and one JSON line per result. Each result is the
    best of several timed runs after a warm-up (the best, not the mean:
@@ -61,19 +63,55 @@ MPT__TARGET_AVX2 static void peak_avx2(void) {
 }
 #endif
 
+#if MPT__X86
+/* The bfloat16 peak: the same 16 chains of vdpbf16ps, each instruction 16
+   lanes × 2 products × 2 FLOP = 64 FLOP (twice the fp32 FMA's, on Zen 4
+   at the same rate). */
+#define PEAK_DPBF16(c, x, y) _mm512_dpbf16_ps(c, x, y)
+MPT__TARGET_AVX512_BF16 static void peak_avx512_bf16(void) {
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x33d633d6);
+    __m512 c0 = _mm512_set1_ps(0), c1 = _mm512_set1_ps(1), c2 = _mm512_set1_ps(2),
+           c3 = _mm512_set1_ps(3), c4 = _mm512_set1_ps(4), c5 = _mm512_set1_ps(5),
+           c6 = _mm512_set1_ps(6), c7 = _mm512_set1_ps(7), c8 = _mm512_set1_ps(8),
+           c9 = _mm512_set1_ps(9), c10 = _mm512_set1_ps(10), c11 = _mm512_set1_ps(11),
+           c12 = _mm512_set1_ps(12), c13 = _mm512_set1_ps(13), c14 = _mm512_set1_ps(14),
+           c15 = _mm512_set1_ps(15);
+    long i;
+    for (i = 0; i < PEAK_ITERS; i++) {
+        c0 = PEAK_DPBF16(c0, x, y); c1 = PEAK_DPBF16(c1, x, y); c2 = PEAK_DPBF16(c2, x, y);
+        c3 = PEAK_DPBF16(c3, x, y); c4 = PEAK_DPBF16(c4, x, y); c5 = PEAK_DPBF16(c5, x, y);
+        c6 = PEAK_DPBF16(c6, x, y); c7 = PEAK_DPBF16(c7, x, y); c8 = PEAK_DPBF16(c8, x, y);
+        c9 = PEAK_DPBF16(c9, x, y); c10 = PEAK_DPBF16(c10, x, y); c11 = PEAK_DPBF16(c11, x, y);
+        c12 = PEAK_DPBF16(c12, x, y); c13 = PEAK_DPBF16(c13, x, y);
+        c14 = PEAK_DPBF16(c14, x, y); c15 = PEAK_DPBF16(c15, x, y);
+        __asm__ __volatile__("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3));
+    }
+    c0 = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                       _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)));
+    c8 = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c8, c9), _mm512_add_ps(c10, c11)),
+                       _mm512_add_ps(_mm512_add_ps(c12, c13), _mm512_add_ps(c14, c15)));
+    peak_sink = _mm512_reduce_add_ps(_mm512_add_ps(c0, c8));
+}
+#undef PEAK_DPBF16
+#endif
+
+/* which: 16 (zmm FMA), 8 (ymm FMA) or 32 (zmm vdpbf16ps: 32 products a
+   vector). */
 static void peak_task(void *arg, int64_t task, int thread) {
     int which = *(const int *)arg;
     (void)task;
     (void)thread;
 #if MPT__X86
-    if (which == 16) peak_avx512();
+    if (which == 32) peak_avx512_bf16();
+    else if (which == 16) peak_avx512();
     else peak_avx2();
 #else
     (void)which;
 #endif
 }
 
-/* GFLOP/s of `threads` threads each running the peak loop. */
+/* GFLOP/s of `threads` threads each running the peak loop (lanes: the
+   products a vector instruction makes, as peak_task's which). */
 static double measure_peak(mpt_context *ctx, int lanes) {
     double best = 0;
     int rep;
@@ -85,6 +123,40 @@ static double measure_peak(mpt_context *ctx, int lanes) {
             double g = 2.0 * lanes * 16.0 * PEAK_ITERS * ctx->num_threads / s * 1e-9;
             if (g > best) best = g;
         }
+    }
+    return best;
+}
+
+/* One thread's peak, as measure_peak, over the thread's CPU time
+   (CLOCK_THREAD_CPUTIME_ID): on a host whose other load takes the core
+   away now and then, the time this thread ran rather than the time it
+   waited too. ctx has one thread: the loop runs on the caller. */
+static double measure_peak_cpu(mpt_context *ctx, int lanes) {
+    double best = 0;
+    int rep;
+    for (rep = 0; rep < 3; rep++) {
+        double t = clock_seconds(CLOCK_THREAD_CPUTIME_ID), s;
+        peak_task(&lanes, 0, 0);
+        s = clock_seconds(CLOCK_THREAD_CPUTIME_ID) - t;
+        if (2.0 * lanes * 16.0 * PEAK_ITERS / s * 1e-9 > best)
+            best = 2.0 * lanes * 16.0 * PEAK_ITERS / s * 1e-9;
+    }
+    (void)ctx;
+    return best;
+}
+
+/* best_seconds over the calling thread's CPU time (a one-thread context's
+   product runs on the caller). */
+static double best_cpu_seconds(mpt_context *ctx, const mpt_gemm_desc *d, double min_total) {
+    double best = 1e30, total = 0;
+    int rep;
+    mpt_gemm(ctx, d);
+    for (rep = 0; rep < 200 && (rep < 3 || total < min_total); rep++) {
+        double t = clock_seconds(CLOCK_THREAD_CPUTIME_ID), s;
+        mpt_gemm(ctx, d);
+        s = clock_seconds(CLOCK_THREAD_CPUTIME_ID) - t;
+        total += s;
+        if (s < best) best = s;
     }
     return best;
 }
@@ -139,6 +211,16 @@ static const shape shapes[] = {
     {"conv4 bwd dX", 128 * 8 * 8, 576, 64, 0, 1},
     {"square", 1024, 1024, 1024, 0, 0},
     {"square", 2048, 2048, 2048, 0, 0},
+    /* examples/gpt.c: 32 windows of 128 positions, width 256, MLP 1024 */
+    {"gpt proj fwd", 4096, 256, 256, 0, 0},
+    {"gpt proj bwd dX", 4096, 256, 256, 0, 1},
+    {"gpt proj bwd dW", 256, 256, 4096, 1, 0},
+    {"gpt mlp up fwd", 4096, 1024, 256, 0, 0},
+    {"gpt mlp up bwd dX", 4096, 256, 1024, 0, 1},
+    {"gpt mlp up bwd dW", 256, 1024, 4096, 1, 0},
+    {"gpt mlp down fwd", 4096, 256, 1024, 0, 0},
+    {"gpt mlp down bwd dX", 4096, 1024, 256, 0, 1},
+    {"gpt mlp down bwd dW", 1024, 256, 4096, 1, 0},
 };
 
 static void run_gemm(mpt_context *ctx, const void *desc) {
@@ -148,6 +230,7 @@ static void run_gemm(mpt_context *ctx, const void *desc) {
 int main(int argc, char **argv) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
     int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+    int gpt = argc > 1 && strcmp(argv[1], "gpt") == 0;
     mpt_context *ctx[2];
     double ghz, peak512[2] = {0, 0}, peak256[2] = {0, 0}, sq_f32[2] = {0, 0};
     int t, si, di;
@@ -176,31 +259,73 @@ int main(int argc, char **argv) {
                "\"clock_ghz\":%.3f,\"flop_per_cycle_per_core\":%.1f}\n",
                t + 1, peak512[t], peak256[t], ghz, per_cycle);
     }
-    printf("\n| shape | M×N×K | op | dtype | 1 thread GFLOP/s | 2 threads GFLOP/s |\n");
-    printf("|---|---|---|---|---:|---:|\n");
+    if (gpt) {
+        printf("\n(in parentheses: the share of the peak of the units the dtype runs on, "
+               "measured around each product; the last column times one thread by its CPU "
+               "time, product and peak alike)\n");
+        printf("\n| shape | M×N×K | op | dtype | 1 thread GFLOP/s | 2 threads GFLOP/s "
+               "| 1 thread, CPU time |\n");
+        printf("|---|---|---|---|---:|---:|---:|\n");
+    } else {
+        printf("\n| shape | M×N×K | op | dtype | 1 thread GFLOP/s | 2 threads GFLOP/s |\n");
+        printf("|---|---|---|---|---:|---:|\n");
+    }
     for (si = 0; si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
         const shape *s = &shapes[si];
         if (quick && (s->m != 1024 || s->n != 1024)) continue;
+        if (gpt != (strncmp(s->what, "gpt", 3) == 0)) continue;
         for (di = 0; di < 3; di++) {
             mpt_dtype dt = dts[di];
             void *a = random_values(dt, s->m * s->k), *b = random_values(dt, s->k * s->n);
             float *c = (float *)calloc((size_t)(s->m * s->n), sizeof(float));
-            double gf[2];
+            double gf[2], frac[2], cpu_gf = 0, cpu_frac = 0;
             char tr[3] = {s->ta ? 't' : 'n', s->tb ? 't' : 'n', 0};
             const mpt_gemm_desc d = gemm_desc(s->m, s->n, s->k, s->ta, s->tb, dt, a, b, c);
             for (t = 0; t < 2; t++) {
+                /* gpt: the peak of the units this dtype runs on (vdpbf16ps
+                   for bfloat16 where the CPU has it, the fp32 FMA else),
+                   measured just before and after the product, the better
+                   of the two, so that a share of it means something on a
+                   host whose load changes */
+                const int lanes = dt == MPT_BFLOAT16 && (mpt_context_cpu_features(ctx[t]) &
+                                                         MPT_CPU_AVX512_BF16) ? 32 : 16;
+                double pk = gpt ? measure_peak(ctx[t], lanes) : 0, pk2;
                 double sec = best_seconds(ctx[t], run_gemm, &d,
                                           s->m == 1024 && s->n == 1024 ? 1.5 : 0.3);
                 gf[t] = 2.0 * (double)s->m * (double)s->n * (double)s->k / sec * 1e-9;
+                pk2 = gpt ? measure_peak(ctx[t], lanes) : 0;
+                pk = pk2 > pk ? pk2 : pk;
                 printf("{\"bench\":\"gemm\",\"shape\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,"
                        "\"trans\":\"%s\",\"dtype\":\"%s\",\"threads\":%d,\"gflops\":%.2f,"
-                       "\"seconds\":%.6f}\n",
+                       "\"seconds\":%.6f",
                        s->what, (long long)s->m, (long long)s->n, (long long)s->k, tr,
                        mpt_dtype_name(dt), t + 1, gf[t], sec);
-                if (s->m == 1024 && dt == MPT_FLOAT32) sq_f32[t] = gf[t];
+                if (pk > 0)
+                    printf(",\"peak_unit\":\"%s\",\"peak_gflops\":%.1f,\"peak_fraction\":%.3f",
+                           lanes == 32 ? "vdpbf16ps" : "fma_zmm", pk, gf[t] / pk);
+                if (gpt && t == 0) { /* one thread, by its CPU time as well */
+                    const double pc0 = measure_peak_cpu(ctx[0], lanes);
+                    const double sc = best_cpu_seconds(ctx[0], &d, 0.3);
+                    const double pc1 = measure_peak_cpu(ctx[0], lanes);
+                    cpu_gf = 2.0 * (double)s->m * (double)s->n * (double)s->k / sc * 1e-9;
+                    cpu_frac = cpu_gf / (pc0 > pc1 ? pc0 : pc1);
+                    printf(",\"cpu_time_gflops\":%.2f,\"cpu_time_peak_fraction\":%.3f", cpu_gf,
+                           cpu_frac);
+                }
+                printf("}\n");
+                frac[t] = pk > 0 ? gf[t] / pk : 0;
+                if (s->m == 1024 && s->n == 1024 && s->k == 1024 && dt == MPT_FLOAT32) sq_f32[t] = gf[t];
             }
-            printf("| %s | %lld×%lld×%lld | %s | %s | %.1f | %.1f |\n", s->what, (long long)s->m,
-                   (long long)s->n, (long long)s->k, tr, mpt_dtype_name(dt), gf[0], gf[1]);
+            if (gpt)
+                printf("| %s | %lld×%lld×%lld | %s | %s | %.1f (%.0f %%) | %.1f (%.0f %%) "
+                       "| %.1f (%.0f %%) |\n",
+                       s->what, (long long)s->m, (long long)s->n, (long long)s->k, tr,
+                       mpt_dtype_name(dt), gf[0], 100 * frac[0], gf[1], 100 * frac[1], cpu_gf,
+                       100 * cpu_frac);
+            else
+                printf("| %s | %lld×%lld×%lld | %s | %s | %.1f | %.1f |\n", s->what,
+                       (long long)s->m, (long long)s->n, (long long)s->k, tr,
+                       mpt_dtype_name(dt), gf[0], gf[1]);
             fflush(stdout);
             free(a);
             free(b);
@@ -226,7 +351,7 @@ int main(int argc, char **argv) {
         double pk1 = peak512[0] > 0 ? peak512[0] : peak256[0];
         double pkt = peak512[t] > 0 ? peak512[t] : peak256[t];
         double pk = pk1 * (t + 1) > pkt ? pk1 * (t + 1) : pkt;
-        if (pk > 0)
+        if (pk > 0 && sq_f32[t] > 0)
             printf("# 1024^3 float32, %d thread%s: %.1f GFLOP/s = %.1f%% of the measured FMA "
                    "peak (%.1f at %.2f GHz)\n",
                    t + 1, t ? "s" : "", sq_f32[t], 100.0 * sq_f32[t] / pk, pk, ghz);

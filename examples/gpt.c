@@ -13,7 +13,7 @@
    Build: cc -O2 gpt.c -lpthread -lm -lz -o gpt       (in examples/)
    Run:   ./gpt [--data FILE] [--steps 1000] [--eval-interval 250]
                 [--batch-size 32] [--policy mixed_bfloat16] [--threads N]
-                [--seed 1] [--sample 300] [--verbose 1]
+                [--seed 1] [--sample 300] [--verbose 1] [--profile DIR]
    Without --data it reads the English fortunes of Debian's `fortunes`
    package (every file of /usr/share/games/fortunes but the .dat indexes,
    in name order: about 2.6 MB). Shows Keras' progress bar per
@@ -21,7 +21,10 @@
    generated text (mpt_model_generate: temperature 0.8, the 40 likeliest
    bytes, a key/value cache), then one JSON
    line: tokens_per_s (training), val_loss in nats per byte (PyTorch's
-   cross-entropy) and bits_per_char. */
+   cross-entropy) and bits_per_char. --profile DIR times steps 2 and 3
+   layer by layer (fit's profile_batch; the first step is left out, as it
+   warms the caches), prints the per-layer table at the end of fit and
+   writes the Chrome trace under DIR. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
@@ -38,6 +41,7 @@ typedef struct gpt_options {
     int threads, verbose;
     uint64_t seed;
     int64_t sample;          /* bytes of text to generate at the end          */
+    const char *profile_dir; /* NULL: no profile                              */
 } gpt_options;
 
 static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
@@ -47,6 +51,7 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
         unsigned long long n;
         if (!strcmp(flag, "--data")) o->data = value;
         else if (!strcmp(flag, "--policy")) o->policy_name = value;
+        else if (!strcmp(flag, "--profile")) o->profile_dir = value;
         else if (!strcmp(flag, "--steps") && read_number(argv[0], flag, value, INT32_MAX, &n))
             o->steps = (int64_t)n;
         else if (!strcmp(flag, "--eval-interval") &&
@@ -73,7 +78,8 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
         fprintf(stderr, "usage: %s [--data FILE] [--steps N] [--eval-interval N]\n"
                         "          [--batch-size N] [--policy float32|mixed_float16|"
                         "mixed_bfloat16]\n"
-                        "          [--threads N] [--seed N] [--sample N] [--verbose 0|1|2]\n",
+                        "          [--threads N] [--seed N] [--sample N] [--verbose 0|1|2]\n"
+                        "          [--profile DIR]\n",
                 argv[0]);
         return 0;
     }
@@ -216,7 +222,9 @@ int main(int argc, char **argv) {
     TRY(mpt_model_fit(model, train, &(mpt_fit_desc){
         .epochs = (int)((o.steps + o.eval_interval - 1) / o.eval_interval),
         .steps_per_epoch = o.steps < o.eval_interval ? o.steps : o.eval_interval,
-        .batch_size = o.batch_size, .validation_data = val, .verbose = o.verbose }));
+        .batch_size = o.batch_size, .validation_data = val, .verbose = o.verbose,
+        .profile_batch = { o.profile_dir ? 2 : 0, o.profile_dir ? 3 : 0 },
+        .profile_dir = o.profile_dir }));
     TRY(mpt_model_evaluate(model, val, &(mpt_evaluate_desc){ .batch_size = o.batch_size },
                            &result));
     mpt_model_history(model, &h);

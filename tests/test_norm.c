@@ -1146,6 +1146,76 @@ static void test_ln_threads(void) {
    LayerNormalization → Dense(softmax) learns under mixed_float16, from
    inputs around 50 that only a per-row normalisation makes readable: the
    loss falls by half. */
+/* LayerNormalization's AVX-512 forward (its row sums in 16 lanes) against
+   the portable one (sums in order), each against the row in double: D of
+   1 to 1000 (masked tails), x around 3 and around 500, each dtype. A row's
+   mean and inv_std may differ between the two in the last bit (the sums'
+   order), within 2^-22 relative; the double row is what bounds y: within
+   tolerance 3e-6·(1 + |y|) in float32, one ulp of the dtype in halves. */
+static void test_ln_simd_matches_portable(void) {
+    static const int64_t widths[] = {1, 7, 16, 33, 256, 1000};
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
+    mpt_context *plain = NULL;
+    int wi, di, far;
+    if (!(mpt_context_cpu_features(ctx) & MPT_CPU_AVX512)) {
+        SKIP("no AVX-512 on this CPU");
+        return;
+    }
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1, .disable_cpu_features = ~0}, &plain);
+    if (!plain) {
+        CHECK(0, "context");
+        return;
+    }
+    for (wi = 0; wi < 6; wi++)
+        for (di = 0; di < 3; di++)
+            for (far = 0; far < 2; far++) {
+                const int64_t D = widths[wi], rows = 37, n = rows * D;
+                const mpt_dtype dt = dts[di];
+                const double ulp = dt == MPT_FLOAT32 ? 3e-6 : dt == MPT_BFLOAT16 ? 1.0 / 128 : 1.0 / 1024;
+                void *x = malloc((size_t)n * 4), *y1 = malloc((size_t)n * 4), *y2 = malloc((size_t)n * 4);
+                float *gamma = (float *)malloc(sizeof(float) * (size_t)D);
+                float *beta = (float *)malloc(sizeof(float) * (size_t)D);
+                float m1[37], m2[37], s1[37], s2[37];
+                int64_t i, r, bad = 0;
+                mpt_layernorm_args a;
+                for (i = 0; i < n; i++)
+                    mpt__store_f32(dt, x, i, (float)test_uniform(far ? 490 : 1, far ? 530 : 5));
+                for (i = 0; i < D; i++) {
+                    gamma[i] = (float)test_uniform(0.5, 1.5);
+                    beta[i] = (float)test_uniform(-1, 1);
+                }
+                memset(&a, 0, sizeof a);
+                a.dtype = dt, a.rows = rows, a.cols = D, a.epsilon = 1e-5f, a.x = x;
+                a.gamma = gamma, a.beta = beta;
+                a.y = y1, a.mean = m1, a.inv_std = s1;
+                mpt__cpu_table.layernorm_forward(ctx, &a);
+                a.y = y2, a.mean = m2, a.inv_std = s2;
+                mpt__cpu_table.layernorm_forward(plain, &a);
+                for (r = 0; r < rows; r++) {
+                    double sum = 0, sq = 0, mean, inv;
+                    bad += fabs(m1[r] - m2[r]) > fabs(m2[r]) * 0x1p-22 ||
+                           fabs(s1[r] - s2[r]) > fabs(s2[r]) * 0x1p-22;
+                    for (i = 0; i < D; i++) sum += mpt__load_f32(dt, x, r * D + i);
+                    mean = sum / (double)D;
+                    for (i = 0; i < D; i++) {
+                        const double d = mpt__load_f32(dt, x, r * D + i) - mean;
+                        sq += d * d;
+                    }
+                    inv = 1.0 / sqrt(sq / (double)D + 1e-5);
+                    for (i = 0; i < D; i++) {
+                        const double want =
+                            (mpt__load_f32(dt, x, r * D + i) - mean) * inv * gamma[i] + beta[i];
+                        const double got = mpt__load_f32(dt, y1, r * D + i);
+                        bad += fabs(got - want) > ulp * (1 + fabs(want)) + 1e-4 * (far && dt != MPT_FLOAT32);
+                    }
+                }
+                CHECK(bad == 0, "D = %lld, %s, x around %s: %lld values off", (long long)D,
+                      mpt_dtype_name(dt), far ? "500" : "3", (long long)bad);
+                free(x), free(y1), free(y2), free(gamma), free(beta);
+            }
+    mpt_context_destroy(plain);
+}
+
 static void test_ln_trains_mixed_float16(void) {
     enum { N = 256, T = 4, D = 8, CLASSES = 3 };
     static float x[N * T * D];
@@ -1305,6 +1375,7 @@ int main(void) {
     test_ln_mixed_policies();
     TEST_RUN(test_ln_graph_shared);
     TEST_RUN(test_ln_threads);
+    TEST_RUN(test_ln_simd_matches_portable);
     TEST_RUN(test_ln_trains_mixed_float16);
     TEST_RUN(test_ln_refusals);
     mpt_context_destroy(ctx);

@@ -17082,17 +17082,6 @@ static int64_t mpt__fit_batch_size(const mpt_model *m, const mpt_dataset *train,
     return (n / per + (n % per != 0)) * per; /* <= batch_size, a multiple of per */
 }
 
-/* evaluate and predict alike: an unbuilt model is built for the data's
-   samples when batch_size is past them (predict(batch_size = 2^26) on 3
-   samples planned 2^26), not under a strategy (whose global batch splits
-   over the replicas). */
-static int64_t mpt__run_batch_size(const mpt_model *m, const mpt_dataset *data,
-                                   int64_t batch_size) {
-    int64_t n = data ? mpt_dataset_count(data) : 0;
-    if (m->built || m->strategy || n <= 0) return batch_size;
-    return MPT__MIN(batch_size, n);
-}
-
 /* d: the caller's descriptor with its defaults filled in. */
 /* ---- class weights ------------------------------------------------------------ */
 
@@ -17436,7 +17425,7 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
     if (desc) d = *desc; /* NULL: every default */
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
     memset(logs, 0, sizeof *logs);
-    MPT__CHECK(mpt__prepare(m, mpt__run_batch_size(m, data, d.batch_size), 0, "evaluate"));
+    MPT__CHECK(mpt__prepare(m, d.batch_size, 0, "evaluate"));
     if (!m->compiled) return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first");
     /* Larger batches than the model was built for run in pieces: the
        result is the same, the loss being a mean over samples. */
@@ -17492,7 +17481,7 @@ static mpt_status mpt__predict(mpt_model *m, const mpt_dataset *data, int64_t ba
     mpt_status s = MPT_OK;
     int k;
     batch_size = mpt__batch_size_or_default(batch_size);
-    MPT__CHECK(mpt__prepare(m, mpt__run_batch_size(m, data, batch_size), 0, "predict"));
+    MPT__CHECK(mpt__prepare(m, batch_size, 0, "predict"));
     MPT__CHECK(mpt__check_samples(m, data, "predict"));
     batch_size = MPT__MIN(batch_size, m->max_batch); /* in pieces, as evaluate */
     n = mpt_dataset_count(data);

@@ -9066,6 +9066,14 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
 }
 
 #if MPT__X86
+#if defined(__GNUC__) && !defined(__clang__)
+/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
+   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
+   inlined here, as @impl-convert says. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 /* mpt__ln_forward_row in AVX-512, 16 elements a step (the tail masked), x
    widened and y narrowed in registers. The same steps, but the row's two
    sums in double are taken in 16 lanes (two vectors of 8, the squared
@@ -9137,6 +9145,9 @@ MPT__TARGET_AVX512 static void mpt__ln_forward_rows_avx512(const mpt_layernorm_a
     else
         for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_FLOAT32, a, r);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
 
 static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
@@ -9450,6 +9461,14 @@ static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int t
 }
 
 #if MPT__X86
+#if defined(__GNUC__) && !defined(__clang__)
+/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
+   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
+   inlined here, as @impl-convert says. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 /* Defined below, in @impl-activations. */
 static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v);
 
@@ -9492,6 +9511,9 @@ MPT__TARGET_AVX512 static void mpt__attn_softmax_row_avx512(float *p, int64_t se
                               _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + c), vinv));
     }
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
 
 /* A row of scores as weights: the first `seen` of p's n scaled and put
@@ -26634,6 +26656,14 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
 }
 
 #if MPT__X86
+#if defined(__GNUC__) && !defined(__clang__)
+/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
+   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
+   inlined here, as @impl-convert says. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
 /* ---- GELU 16 lanes at a time ------------------------------------------------
    The exact GELU x·Φ(x) and its derivative Φ(x) + x·φ(x) in AVX-512, for
    the layers' passes (mpt__activation_forward_cpu, mpt__activation_grad).
@@ -26759,6 +26789,9 @@ MPT__TARGET_AVX512 static void mpt__gelu_backward_avx512(mpt_dtype dtype, const 
     else if (dtype == MPT_FLOAT16) mpt__gelu_backward_loop(MPT_FLOAT16, z, dy, dz, n);
     else mpt__gelu_backward_loop(MPT_FLOAT32, z, dy, dz, n);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
 
 /* y = act(x) in place on n floats, as mpt__activation_forward, with the

@@ -1670,7 +1670,10 @@ typedef struct mpt_fit_desc {
     int64_t batch_size;                 /* default 32: the global batch; one
                                            past the training samples trains on
                                            them all in one batch, and the
-                                           model is built for that (Keras)   */
+                                           model is built for that (Keras); a
+                                           model built for fewer (by evaluate,
+                                           say) is planned again, keeping its
+                                           weights (not under a strategy)    */
     int no_shuffle;                     /* default 0: reshuffled every epoch   */
     const mpt_dataset *validation_data; /* default none                        */
     float validation_split;             /* default 0; the last fraction of the
@@ -16610,7 +16613,13 @@ static int64_t mpt__batch_size_or_default(int64_t batch_size) {
     return batch_size == 0 ? MPT__DEFAULT_BATCH_SIZE : batch_size;
 }
 
-/* Makes the model ready to train or run on batches of batch_size. */
+/* Defined below, in @impl-fit. */
+static mpt_status mpt__model_replan(mpt_model *m, int64_t max_batch, int64_t fallback);
+
+/* Makes the model ready for batches of batch_size. fit (need_compile) on
+   a model built for fewer (by evaluate or predict, say) plans it again
+   for batch_size, keeping its weights and optimizer state, as Keras' fit
+   takes any batch size; not under a strategy, whose replicas are built. */
 static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compile,
                                const char *what) {
     /* with a strategy, the global batch: every replica's share */
@@ -16623,6 +16632,8 @@ static mpt_status mpt__prepare(mpt_model *m, int64_t batch_size, int need_compil
     if (need_compile && !m->compiled)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "%s: compile the model first", what);
     if (!m->built) MPT__CHECK(mpt_model_build(m, batch_size));
+    if (need_compile && !m->strategy && batch_size > m->max_batch)
+        MPT__CHECK(mpt__model_replan(m, batch_size, m->max_batch));
     if (batch_size > m->max_batch * per)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "%s: batch_size %lld is larger than the %lld the model was built for",
@@ -17104,6 +17115,17 @@ static int64_t mpt__fit_batch_size(const mpt_model *m, const mpt_dataset *train,
     return (n / per + (n % per != 0)) * per; /* <= batch_size, a multiple of per */
 }
 
+/* evaluate and predict alike: an unbuilt model is built for the data's
+   samples when batch_size is past them (predict(batch_size = 2^26) on 3
+   samples planned 2^26), not under a strategy (whose global batch splits
+   over the replicas). */
+static int64_t mpt__run_batch_size(const mpt_model *m, const mpt_dataset *data,
+                                   int64_t batch_size) {
+    int64_t n = data ? mpt_dataset_count(data) : 0;
+    if (m->built || m->strategy || n <= 0) return batch_size;
+    return MPT__MIN(batch_size, n);
+}
+
 /* d: the caller's descriptor with its defaults filled in. */
 /* ---- class weights ------------------------------------------------------------ */
 
@@ -17447,7 +17469,7 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
     if (desc) d = *desc; /* NULL: every default */
     d.batch_size = mpt__batch_size_or_default(d.batch_size);
     memset(logs, 0, sizeof *logs);
-    MPT__CHECK(mpt__prepare(m, d.batch_size, 0, "evaluate"));
+    MPT__CHECK(mpt__prepare(m, mpt__run_batch_size(m, data, d.batch_size), 0, "evaluate"));
     if (!m->compiled) return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first");
     /* Larger batches than the model was built for run in pieces: the
        result is the same, the loss being a mean over samples. */
@@ -17503,7 +17525,7 @@ static mpt_status mpt__predict(mpt_model *m, const mpt_dataset *data, int64_t ba
     mpt_status s = MPT_OK;
     int k;
     batch_size = mpt__batch_size_or_default(batch_size);
-    MPT__CHECK(mpt__prepare(m, batch_size, 0, "predict"));
+    MPT__CHECK(mpt__prepare(m, mpt__run_batch_size(m, data, batch_size), 0, "predict"));
     MPT__CHECK(mpt__check_samples(m, data, "predict"));
     batch_size = MPT__MIN(batch_size, m->max_batch); /* in pieces, as evaluate */
     n = mpt_dataset_count(data);

@@ -1659,8 +1659,8 @@ static void test_bad_input(void) {
     y[17] = 2;
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = -1}) == MPT_ERR_INVALID_ARGUMENT,
           "batch size -1 accepted");
-    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 64}) == MPT_ERR_INVALID_ARGUMENT,
-          "batch 64 for a model built for 32 accepted");
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 64}) == MPT_OK && m->max_batch == 64,
+          "batch 64 for a model built for 32: not planned again (%s)", mpt_context_error(ctx));
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 32, .validation_split = 1.5f}) ==
               MPT_ERR_INVALID_ARGUMENT, "validation_split 1.5 accepted");
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.batch_size = 32, .verbose = 3}) ==
@@ -2204,7 +2204,9 @@ static void test_sizes_past_int64(void) {
    one batch. fit(batch_size = 2^26) on 16 samples planned buffers for 2^26
    samples (15.8 GB for this model); it must build for 16 and train as
    batch_size 16 does, bit for bit; INT64_MAX too; and a model built for
-   16 takes such a batch_size rather than refusing it. */
+   16 takes such a batch_size rather than refusing it. evaluate and predict
+   on an unbuilt model build for the 16 samples as well, and a fit after an
+   evaluate that built the model for fewer plans it again. */
 static void test_batch_size_past_the_data(void) {
     static float x[16 * FEATURES];
     static int32_t y[16];
@@ -2227,6 +2229,41 @@ static void test_batch_size_past_the_data(void) {
         CHECK(m->built && same_state(m, want), "batch_size %lld trains otherwise than 16",
               (long long)batch);
         mpt_model_destroy(m);
+    }
+    /* evaluate and predict on an unbuilt model build for the 16 samples
+       too (they planned 2^26, and failed under the memory limit) */
+    for (k = 0; k < 2; k++) {
+        mpt_logs logs;
+        mpt_tensor p;
+        mpt_status s;
+        m = blob_model_for(MPT_POLICY_FLOAT32, 7, 0);
+        m->desc.memory_limit = 64 << 20;
+        s = k == 0 ? mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = sizes[0]}, &logs)
+                   : mpt_model_predict(m, d, sizes[1], &p);
+        CHECK(s == MPT_OK, "%s with batch_size %lld: %s", k ? "predict" : "evaluate",
+              (long long)sizes[k], mpt_context_error(ctx));
+        CHECK(m->built && m->max_batch == 16, "%s built for %lld", k ? "predict" : "evaluate",
+              (long long)m->max_batch);
+        if (k == 1 && s == MPT_OK) mpt_tensor_free(ctx, &p);
+        mpt_model_destroy(m);
+    }
+    { /* fit plans again a model evaluate built for fewer samples (Keras' fit
+         takes any batch size) and trains as one built for 16 does, bit for bit */
+        mpt_dataset *few = blob_dataset(x, y, 8);
+        mpt_logs logs;
+        m = blob_model_for(MPT_POLICY_FLOAT32, 7, 0);
+        CHECK(mpt_model_evaluate(m, few, &(mpt_evaluate_desc){.batch_size = 32}, &logs) ==
+                      MPT_OK &&
+                  m->max_batch == 8,
+              "evaluate on 8 samples: built for %lld (%s)", (long long)m->max_batch,
+              mpt_context_error(ctx));
+        CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 16}) == MPT_OK,
+              "fit after evaluate: %s", mpt_context_error(ctx));
+        CHECK(m->max_batch == 16 && same_state(m, want),
+              "fit after evaluate: built for %lld, %s", (long long)m->max_batch,
+              same_state(m, want) ? "the same state" : "another state");
+        mpt_model_destroy(m);
+        mpt_dataset_destroy(few);
     }
     mpt_model_destroy(want);
     mpt_dataset_destroy(d);

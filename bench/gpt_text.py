@@ -1,5 +1,6 @@
 """examples/gpt.c's text for its Python twins (bench/torch_gpt.py, bench/tf_gpt.py):
 the fortunes' files in name order, cut as mpt.h's text dataset cuts them."""
+import argparse
 import os
 
 FORTUNES = "/usr/share/games/fortunes"
@@ -30,3 +31,26 @@ def cut(text):
     """(train, validation) bytes: mpt.h's cut, int(size · (1 - 0.1))."""
     at = int(len(text) * (1.0 - 0.1))
     return text[:at], text[at:]
+
+
+def arguments(description, policies):
+    """The flags both twins take (gpt.c's run, their precisions as policies);
+    a twin adds its own, then calls parse."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--data", default=None, help="a text file (default: the fortunes)")
+    ap.add_argument("--policy", default=policies[0], choices=policies)
+    ap.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
+    ap.add_argument("--timed-steps", type=int, default=20, help="the last steps, timed")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--eval", type=int, default=1, help="0: no validation loss")
+    return ap
+
+
+def parse(ap):
+    """The flags, the timed steps checked."""
+    args = ap.parse_args()
+    if not 0 < args.timed_steps <= args.steps:
+        ap.error("--timed-steps must be in 1..--steps")
+    return args

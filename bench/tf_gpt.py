@@ -37,7 +37,6 @@ in all, the last --timed-steps of them timed (batch gathering included); the
 steps before warm up (the first traces the function). Threads: intra-op
 --threads, inter-op 1. Prints one JSON line like gpt.c's and torch_gpt.py's.
 """
-import argparse
 import json
 import math
 import os
@@ -48,7 +47,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt_text import cut, read_text  # noqa: E402  (gpt.c's text, shared with torch_gpt.py)
+from gpt_text import arguments, cut, parse, read_text  # noqa: E402  (shared with torch_gpt.py)
 
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
 
@@ -106,18 +105,7 @@ def build_model(keras):
 # ---- main --------------------------------------------------------------------------------
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=None, help="a text file (default: the fortunes)")
-    ap.add_argument("--policy", default="float32", choices=("float32", "mixed_bfloat16"))
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
-    ap.add_argument("--timed-steps", type=int, default=20, help="the last steps, timed")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--eval", type=int, default=1, help="0: no validation loss")
-    args = ap.parse_args()
-    if not 0 < args.timed_steps <= args.steps:
-        ap.error("--timed-steps must be in 1..--steps")
+    args = parse(arguments(__doc__.split("\n")[0], ("float32", "mixed_bfloat16")))
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf

@@ -42,7 +42,6 @@ torch.autocast("cpu", dtype=torch.bfloat16) around the forward and the loss,
 the weights and the optimizer in float32 (mpt.h's mixed_bfloat16 keeps
 float32 weights too). Prints one JSON line like gpt.c's.
 """
-import argparse
 import json
 import math
 import os
@@ -55,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt_text import cut, read_text  # noqa: E402  (gpt.c's text, shared with tf_gpt.py)
+from gpt_text import arguments, cut, parse, read_text  # noqa: E402  (shared with tf_gpt.py)
 
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
 
@@ -172,20 +171,10 @@ def evaluate(model, val, batch, autocast):
 # ---- main ------------------------------------------------------------------------------
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=None, help="a text file (default: the fortunes)")
-    ap.add_argument("--policy", default="float32", choices=("float32", "autocast_bfloat16"))
-    ap.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
-    ap.add_argument("--timed-steps", type=int, default=20, help="the last steps, timed")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--eval", type=int, default=1, help="0: no validation loss")
+    ap = arguments(__doc__.split("\n")[0], ("float32", "autocast_bfloat16"))
     ap.add_argument("--config", default=None,
                     help="how the caller set PyTorch up (BLAS, environment), for the JSON line")
-    args = ap.parse_args()
-    if not 0 < args.timed_steps <= args.steps:
-        ap.error("--timed-steps must be in 1..--steps")
+    args = parse(ap)
 
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)

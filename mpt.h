@@ -290,7 +290,9 @@
        @impl-layernorm    LayerNormalization: rows of the last axis, each
                           normalised on its own; the CPU's backend functions
        @impl-attention    MultiHeadAttention: four projections around the
-                          scaled dot-product attention; the CPU's attention
+                          scaled dot-product attention
+       @impl-attention-cpu  the CPU's scaled dot-product attention, a block of
+                          queries of one sample and head at a time
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers, several inputs as
                           InputLayers, several outputs), initial weights
@@ -9369,359 +9371,8 @@ MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
    sequence: query · Wq gives (B·Tq, H·key_dim), whose rows already hold
    each head's query side by side, so the attention reads head h of
    position i at row i, column h·key_dim, without a transpose; its output
-   lies the same way and is the output projection's input.
-
-   The CPU's attention takes one sample and head at a time, as the
-   attention of one head of one sample needs nothing of another's: forward
-   goes over blocks of MPT__ATTN_BLOCK queries, the block's scores
-   (block × Tk, float32) being the only scratch of size Tk, so the
-   Tq × Tk matrix is never held whole. Each product is the CPU GEMM of
-   @impl-gemm on that thread alone (a parallel-for inside a task runs on
-   its thread), the operands in the compute dtype and the sums in float32,
-   as a Dense layer's. Backward computes the block's scores and weights
-   again instead of keeping them (the forward's memory would grow with
-   Tq·Tk per head) and adds the block's share to dK and dV; a task owns a
-   whole (sample, head), so the blocks are added in order and every result
-   is the same whatever the thread count. */
-
-#define MPT__ATTN_BLOCK 64 /* query rows the CPU takes at a time */
-
-/* Defined in @impl-gemm: the CPU GEMM. */
-static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d);
-
-/* One CPU attention pass: its arguments and each thread's scratch. */
-typedef struct mpt__attn_job {
-    mpt_context *ctx;
-    const mpt_attention_args *a;
-    int64_t blocks;        /* query blocks per (sample, head)          */
-    int64_t scratch_bytes; /* one thread's share of the workspace       */
-    uint64_t step;         /* dropout's                                */
-    int dropout;           /* 1: this pass drops weights               */
-} mpt__attn_job;
-
-/* A thread's scratch, for a block of up to MPT__ATTN_BLOCK queries against
-   Tk keys: the scores and weights, backward's dP (float32, block × Tk
-   each), the weights and dS as GEMM operands (block × Tk, in dtype), and
-   the forward's output rows (block × value_dim, float32). */
-typedef struct mpt__attn_scratch {
-    float *p, *dp;
-    void *p_op, *ds_op;
-    float *o;
-} mpt__attn_scratch;
-
-static int64_t mpt__attn_scratch_bytes(const mpt_attention_args *a) {
-    int64_t block = MPT__MIN(MPT__ATTN_BLOCK, a->q_len), scores, rows, bytes;
-    if (!mpt__mul_ok(block, a->kv_len, &scores) || !mpt__mul_ok(block, a->value_dim, &rows) ||
-        !mpt__mul_ok(scores, 16, &bytes) || !mpt__add_ok(bytes, 4 * rows, &bytes))
-        return -1;
-    return mpt__ws_bytes(bytes, 5);
-}
-
-static mpt__attn_scratch mpt__attn_scratch_for(const mpt__attn_job *j, int thread) {
-    const int64_t scores = MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->kv_len;
-    mpt__ws w;
-    mpt__attn_scratch s;
-    w.next = (unsigned char *)j->a->workspace + (size_t)(thread * j->scratch_bytes);
-    s.p = (float *)mpt__ws_take(&w, 4 * scores);
-    s.dp = (float *)mpt__ws_take(&w, 4 * scores);
-    s.p_op = mpt__ws_take(&w, 4 * scores);
-    s.ds_op = mpt__ws_take(&w, 4 * scores);
-    s.o = (float *)mpt__ws_take(&w, 4 * MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->value_dim);
-    return s;
-}
-
-/* Head h of sample b: where its rows of q (or k, v, o) start, and the
-   distance between two positions' rows (all heads lie between). */
-static const char *mpt__attn_rows(const mpt_attention_args *a, const void *base, int64_t len,
-                                  int64_t width, int64_t b, int64_t h, int64_t position,
-                                  size_t elem) {
-    return (const char *)base + (size_t)(((b * len + position) * a->heads + h) * width) * elem;
-}
-
-/* The product c (m × n) = alpha · op(x) · op(y) + beta · c of row-major
-   operands in dtype (float32 for c), on this thread. */
-static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int trans_b,
-                           int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx,
-                           const void *y, int64_t ldy, float alpha, float beta, float *c,
-                           int64_t ldc) {
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.trans_a = trans_a;
-    g.trans_b = trans_b;
-    g.m = m;
-    g.n = n;
-    g.k = k;
-    g.ab_dtype = dtype;
-    g.a = x;
-    g.lda = ldx;
-    g.b = y;
-    g.ldb = ldy;
-    g.c = c;
-    g.ldc = ldc;
-    g.alpha = alpha;
-    g.beta = beta;
-    mpt__gemm(ctx, &g);
-}
-
-#if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
-   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
-   inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-/* Defined below, in @impl-activations. */
-static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v);
-
-/* mpt__attn_softmax_row 16 keys at a time: the same steps (the scores
-   scaled, the row's largest, Σ exp(s − max) in double, each weight
-   exp(s − max)·(1/Σ)), with mpt__exp_avx512 for expf, evaluated once a
-   key and kept in p, and the double sum taken in 16 lanes, then added
-   across. So the weights differ from the scalar rule's (@backend-shared-
-   training's mpt__attn_weight, which CUDA runs) in the last bits: each
-   is within 3.6e-7 relative of the softmax in double (test_attention's
-   test_softmax_row_vector holds it to 5e-7). NaN scores give NaN weights,
-   as the scalar rule's; -inf ones (s − max below -104) give 0. */
-MPT__TARGET_AVX512 static void mpt__attn_softmax_row_avx512(float *p, int64_t seen, int64_t n,
-                                                           float scale) {
-    const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-104.0f);
-    __m512 vmax = _mm512_set1_ps(-INFINITY), vinv;
-    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
-    int64_t c;
-    for (c = 0; c < seen; c += 16) {
-        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
-        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + c), vscale);
-        _mm512_mask_storeu_ps(p + c, m, v);
-        vmax = _mm512_mask_max_ps(vmax, m, v, vmax); /* a NaN score is passed over */
-    }
-    vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    for (c = 0; c < seen; c += 16) {
-        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
-        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + c), vmax);
-        const __m512 e = _mm512_maskz_mov_ps(m, mpt__exp_avx512(_mm512_max_ps(floor, d)));
-        _mm512_mask_storeu_ps(p + c, m, e);
-        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
-                                      _mm512_castps_pd(e), 1))));
-    }
-    vinv = _mm512_set1_ps((float)(1.0 / _mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1))));
-    for (c = 0; c < n; c += 16) {
-        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - c));
-        const __mmask16 in = c < seen ? mpt__gemm_mask16((int)MPT__MIN(16, seen - c)) : 0;
-        _mm512_mask_storeu_ps(p + c, m,
-                              _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + c), vinv));
-    }
-}
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
-
-/* A row of scores as weights: the first `seen` of p's n scaled and put
-   through the softmax (float32, Σ in double), the rest zero. cpu: the
-   context's features (the AVX-512 form above where it has them). */
-static void mpt__attn_softmax_row(int cpu, float *p, int64_t seen, int64_t n, float scale) {
-    float row_max = -INFINITY, inv_sum;
-    double sum = 0;
-    int64_t c;
-#if MPT__X86
-    if (cpu & MPT_CPU_AVX512) {
-        mpt__attn_softmax_row_avx512(p, seen, n, scale);
-        return;
-    }
-#else
-    (void)cpu;
-#endif
-    for (c = 0; c < seen; c++) {
-        p[c] = mpt__fmul_rn(p[c], scale);
-        row_max = p[c] > row_max ? p[c] : row_max;
-    }
-    for (c = 0; c < seen; c++) sum += expf(mpt__fsub_rn(p[c], row_max));
-    inv_sum = (float)(1.0 / sum);
-    for (c = 0; c < n; c++) p[c] = c < seen ? mpt__attn_weight(p[c], row_max, inv_sum) : 0.0f;
-}
-
-/* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
-   stride n) holds the raw products Q·Kᵀ and becomes P; s.p_op gets P̃
-   (dropout applied) in dtype, zero past each row's last key seen. */
-static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
-                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
-    const mpt_attention_args *a = j->a;
-    const float keep_scale = 1.0f / (1.0f - a->dropout);
-    int64_t r, c;
-    for (r = 0; r < rows; r++) {
-        float *p = s->p + r * n;
-        int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
-        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
-        mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
-        for (c = 0; c < n; c++) {
-            float kept = p[c];
-            if (j->dropout && c < seen)
-                kept = mpt__attn_keep(a->dropout_key, j->step, a->dropout, e0 + (uint64_t)c)
-                           ? mpt__fmul_rn(p[c], keep_scale)
-                           : 0.0f;
-            s->dp[r * n + c] = kept; /* the block's P̃, narrowed below */
-        }
-    }
-    mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, s->dp, rows * n);
-}
-
-/* The keys the block's rows see between them: up to the last row's. */
-static int64_t mpt__attn_block_keys(const mpt_attention_args *a, int64_t i0, int64_t rows) {
-    return mpt__attn_keys_seen(i0 + rows - 1, a->kv_len, a->causal, a->causal_offset);
-}
-
-/* S = Q_block · Kᵀ for the keys the block sees, into s->p (rows × n). */
-static void mpt__attn_scores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
-                             int64_t rows, int64_t n, const mpt__attn_scratch *s) {
-    const mpt_attention_args *a = j->a;
-    size_t es = mpt_dtype_size(a->dtype);
-    int64_t qk = a->heads * a->key_dim;
-    mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->key_dim,
-                   mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es), qk,
-                   mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es), qk, 1.0f, 0.0f,
-                   s->p, n);
-}
-
-/* Forward, task = (sample, head, query block): O_block = P̃ · V. */
-static void mpt__attn_forward_task(void *arg, int64_t task, int thread) {
-    const mpt__attn_job *j = (const mpt__attn_job *)arg;
-    const mpt_attention_args *a = j->a;
-    const size_t es = mpt_dtype_size(a->dtype);
-    const int64_t bh = task / j->blocks, i0 = task % j->blocks * MPT__ATTN_BLOCK;
-    const int64_t b = bh / a->heads, h = bh % a->heads, v_ld = a->heads * a->value_dim;
-    const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
-    const int64_t n = mpt__attn_block_keys(a, i0, rows);
-    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
-    char *o = (char *)mpt__attn_rows(a, a->o, a->q_len, a->value_dim, b, h, i0, es);
-    int64_t r;
-    mpt__attn_scores(j, b, h, i0, rows, n, &s);
-    mpt__attn_weights(j, b, h, i0, rows, n, &s);
-    if (a->dtype == MPT_FLOAT32) { /* straight into o's rows */
-        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
-                       mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld,
-                       1.0f, 0.0f, (float *)o, v_ld);
-        return;
-    }
-    mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
-                   mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld, 1.0f,
-                   0.0f, s.o, a->value_dim);
-    for (r = 0; r < rows; r++)
-        mpt__convert(j->ctx, a->dtype, o + (size_t)(r * v_ld) * es, MPT_FLOAT32,
-                     s.o + r * a->value_dim, a->value_dim);
-}
-
-/* Zeros the (Tk, width) float32 rows of head h of sample b in g. */
-static void mpt__attn_zero_rows(const mpt_attention_args *a, float *g, int64_t width, int64_t b,
-                                int64_t h) {
-    int64_t t;
-    for (t = 0; t < a->kv_len; t++)
-        memset((float *)mpt__attn_rows(a, g, a->kv_len, width, b, h, t, 4), 0,
-               sizeof(float) * (size_t)width);
-}
-
-/* dS of the block's rows from P (s->p) and dP̃ (s->dp), into s->ds_op in
-   dtype: dP is dP̃ through the forward's mask and scale. */
-static void mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
-                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
-    const mpt_attention_args *a = j->a;
-    const float keep_scale = 1.0f / (1.0f - a->dropout);
-    int64_t r, c;
-    for (r = 0; r < rows; r++) {
-        const float *p = s->p + r * n;
-        float *dp = s->dp + r * n, row_dot;
-        int64_t i = i0 + r;
-        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
-        double dot = 0;
-        if (j->dropout)
-            for (c = 0; c < n; c++)
-                dp[c] = p[c] != 0 && mpt__attn_keep(a->dropout_key, j->step, a->dropout,
-                                                    e0 + (uint64_t)c)
-                            ? mpt__fmul_rn(dp[c], keep_scale)
-                            : 0.0f;
-        for (c = 0; c < n; c++) dot += (double)p[c] * dp[c];
-        row_dot = (float)dot;
-        for (c = 0; c < n; c++) dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot);
-    }
-    mpt__convert(j->ctx, a->dtype, s->ds_op, MPT_FLOAT32, s->dp, rows * n);
-}
-
-/* Backward, task = (sample, head): every query block in order, each adding
-   its share to dK and dV. */
-static void mpt__attn_backward_task(void *arg, int64_t task, int thread) {
-    const mpt__attn_job *j = (const mpt__attn_job *)arg;
-    const mpt_attention_args *a = j->a;
-    const size_t es = mpt_dtype_size(a->dtype);
-    const int64_t b = task / a->heads, h = task % a->heads;
-    const int64_t qk = a->heads * a->key_dim, v_ld = a->heads * a->value_dim;
-    const char *k = mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es);
-    const char *v = mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es);
-    float *dk = (float *)mpt__attn_rows(a, a->dk, a->kv_len, a->key_dim, b, h, 0, 4);
-    float *dv = (float *)mpt__attn_rows(a, a->dv, a->kv_len, a->value_dim, b, h, 0, 4);
-    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
-    int64_t i0;
-    mpt__attn_zero_rows(a, a->dk, a->key_dim, b, h);
-    mpt__attn_zero_rows(a, a->dv, a->value_dim, b, h);
-    for (i0 = 0; i0 < a->q_len; i0 += MPT__ATTN_BLOCK) {
-        const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
-        const int64_t n = mpt__attn_block_keys(a, i0, rows);
-        const char *q = mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es);
-        const char *d_o = mpt__attn_rows(a, a->d_o, a->q_len, a->value_dim, b, h, i0, es);
-        float *dq = (float *)mpt__attn_rows(a, a->dq, a->q_len, a->key_dim, b, h, i0, 4);
-        mpt__attn_scores(j, b, h, i0, rows, n, &s);
-        mpt__attn_weights(j, b, h, i0, rows, n, &s);
-        /* dV += P̃ᵀ · dO;  dP̃ = dO · Vᵀ */
-        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->value_dim, rows, s.p_op, n, d_o, v_ld, 1.0f,
-                       1.0f, dv, v_ld);
-        mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->value_dim, d_o, v_ld, v, v_ld, 1.0f,
-                       0.0f, s.dp, n);
-        mpt__attn_dscores(j, b, h, i0, rows, n, &s);
-        /* dQ = scale · dS · K;  dK += scale · dSᵀ · Q */
-        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->key_dim, n, s.ds_op, n, k, qk, a->scale,
-                       0.0f, dq, qk);
-        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->key_dim, rows, s.ds_op, n, q, qk, a->scale,
-                       1.0f, dk, qk);
-    }
-}
-
-static mpt__attn_job mpt__attn_job_for(mpt_context *ctx, const mpt_attention_args *a) {
-    mpt__attn_job j;
-    j.ctx = ctx;
-    j.a = a;
-    j.blocks = (a->q_len + MPT__ATTN_BLOCK - 1) / MPT__ATTN_BLOCK;
-    j.scratch_bytes = mpt__attn_scratch_bytes(a);
-    j.dropout = a->dropout > 0 && a->saved_step;
-    j.step = j.dropout ? (uint64_t)*a->saved_step : 0;
-    return j;
-}
-
-/* mpt_backend.attention_forward on the CPU. */
-static void mpt__cpu_attention_forward(void *impl, const mpt_attention_args *a) {
-    mpt_context *ctx = (mpt_context *)impl;
-    mpt__attn_job j;
-    if (a->dropout > 0 && a->state && a->saved_step) *a->saved_step = (int64_t)a->state->step;
-    j = mpt__attn_job_for(ctx, a);
-    j.dropout = j.dropout && a->state; /* inference: no dropout */
-    mpt__parallel_for(ctx, a->batch * a->heads * j.blocks, mpt__attn_forward_task, &j);
-}
-
-/* mpt_backend.attention_backward on the CPU. */
-static void mpt__cpu_attention_backward(void *impl, const mpt_attention_args *a) {
-    mpt_context *ctx = (mpt_context *)impl;
-    mpt__attn_job j = mpt__attn_job_for(ctx, a);
-    mpt__parallel_for(ctx, a->batch * a->heads, mpt__attn_backward_task, &j);
-}
-
-/* Workspace: each thread's scratch (the same for any batch). */
-static int64_t mpt__cpu_attention_workspace(void *impl, const mpt_attention_args *a) {
-    int64_t one = mpt__attn_scratch_bytes(a), all;
-    if (one < 0 || !mpt__mul_ok(one, ((mpt_context *)impl)->num_threads, &all)) return -1;
-    return all;
-}
-
-/* ---- the layer ------------------------------------------------------------------ */
+   lies the same way and is the output projection's input;
+   the attention itself is a backend's, the CPU's in @impl-attention-cpu. */
 
 /* Its projections, in Keras' order of weights; each a kernel and, unless
    no_bias, a bias after it. */
@@ -10173,6 +9824,361 @@ MPTDEF mpt_node mpt_multi_head_attention_with_key(mpt_model *m, mpt_node query, 
 MPTDEF mpt_node mpt_multi_head_attention(mpt_model *m, mpt_node query, mpt_node value,
                                          const mpt_multi_head_attention_desc *d) {
     return mpt_multi_head_attention_with_key(m, query, value, value, d);
+}
+
+/* =============================================================================
+   @impl-attention-cpu  the CPU's scaled dot-product attention: a block of
+   queries of one sample and head at a time, forward and backward
+   =============================================================================
+
+   The CPU takes one sample and head at a time, as the
+   attention of one head of one sample needs nothing of another's: forward
+   goes over blocks of MPT__ATTN_BLOCK queries, the block's scores
+   (block × Tk, float32) being the only scratch of size Tk, so the
+   Tq × Tk matrix is never held whole. Each product is the CPU GEMM of
+   @impl-gemm on that thread alone (a parallel-for inside a task runs on
+   its thread), the operands in the compute dtype and the sums in float32,
+   as a Dense layer's. Backward computes the block's scores and weights
+   again instead of keeping them (the forward's memory would grow with
+   Tq·Tk per head) and adds the block's share to dK and dV; a task owns a
+   whole (sample, head), so the blocks are added in order and every result
+   is the same whatever the thread count. */
+
+#define MPT__ATTN_BLOCK 64 /* query rows the CPU takes at a time */
+
+/* Defined in @impl-gemm: the CPU GEMM. */
+static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d);
+
+/* One CPU attention pass: its arguments and each thread's scratch. */
+typedef struct mpt__attn_job {
+    mpt_context *ctx;
+    const mpt_attention_args *a;
+    int64_t blocks;        /* query blocks per (sample, head)          */
+    int64_t scratch_bytes; /* one thread's share of the workspace       */
+    uint64_t step;         /* dropout's                                */
+    int dropout;           /* 1: this pass drops weights               */
+} mpt__attn_job;
+
+/* A thread's scratch, for a block of up to MPT__ATTN_BLOCK queries against
+   Tk keys: the scores and weights, backward's dP (float32, block × Tk
+   each), the weights and dS as GEMM operands (block × Tk, in dtype), and
+   the forward's output rows (block × value_dim, float32). */
+typedef struct mpt__attn_scratch {
+    float *p, *dp;
+    void *p_op, *ds_op;
+    float *o;
+} mpt__attn_scratch;
+
+static int64_t mpt__attn_scratch_bytes(const mpt_attention_args *a) {
+    int64_t block = MPT__MIN(MPT__ATTN_BLOCK, a->q_len), scores, rows, bytes;
+    if (!mpt__mul_ok(block, a->kv_len, &scores) || !mpt__mul_ok(block, a->value_dim, &rows) ||
+        !mpt__mul_ok(scores, 16, &bytes) || !mpt__add_ok(bytes, 4 * rows, &bytes))
+        return -1;
+    return mpt__ws_bytes(bytes, 5);
+}
+
+static mpt__attn_scratch mpt__attn_scratch_for(const mpt__attn_job *j, int thread) {
+    const int64_t scores = MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->kv_len;
+    mpt__ws w;
+    mpt__attn_scratch s;
+    w.next = (unsigned char *)j->a->workspace + (size_t)(thread * j->scratch_bytes);
+    s.p = (float *)mpt__ws_take(&w, 4 * scores);
+    s.dp = (float *)mpt__ws_take(&w, 4 * scores);
+    s.p_op = mpt__ws_take(&w, 4 * scores);
+    s.ds_op = mpt__ws_take(&w, 4 * scores);
+    s.o = (float *)mpt__ws_take(&w, 4 * MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->value_dim);
+    return s;
+}
+
+/* Head h of sample b: where its rows of q (or k, v, o) start, and the
+   distance between two positions' rows (all heads lie between). */
+static const char *mpt__attn_rows(const mpt_attention_args *a, const void *base, int64_t len,
+                                  int64_t width, int64_t b, int64_t h, int64_t position,
+                                  size_t elem) {
+    return (const char *)base + (size_t)(((b * len + position) * a->heads + h) * width) * elem;
+}
+
+/* The product c (m × n) = alpha · op(x) · op(y) + beta · c of row-major
+   operands in dtype (float32 for c), on this thread. */
+static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int trans_b,
+                           int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx,
+                           const void *y, int64_t ldy, float alpha, float beta, float *c,
+                           int64_t ldc) {
+    mpt_gemm_desc g;
+    memset(&g, 0, sizeof g);
+    g.trans_a = trans_a;
+    g.trans_b = trans_b;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.ab_dtype = dtype;
+    g.a = x;
+    g.lda = ldx;
+    g.b = y;
+    g.ldb = ldy;
+    g.c = c;
+    g.ldc = ldc;
+    g.alpha = alpha;
+    g.beta = beta;
+    mpt__gemm(ctx, &g);
+}
+
+#if MPT__X86
+#if defined(__GNUC__) && !defined(__clang__)
+/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
+   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
+   inlined here, as @impl-convert says. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+/* Defined below, in @impl-activations. */
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v);
+
+/* mpt__attn_softmax_row 16 keys at a time: the same steps (the scores
+   scaled, the row's largest, Σ exp(s − max) in double, each weight
+   exp(s − max)·(1/Σ)), with mpt__exp_avx512 for expf, evaluated once a
+   key and kept in p, and the double sum taken in 16 lanes, then added
+   across. So the weights differ from the scalar rule's (@backend-shared-
+   training's mpt__attn_weight, which CUDA runs) in the last bits: each
+   is within 3.6e-7 relative of the softmax in double (test_attention's
+   test_softmax_row_vector holds it to 5e-7). NaN scores give NaN weights,
+   as the scalar rule's; -inf ones (s − max below -104) give 0. */
+MPT__TARGET_AVX512 static void mpt__attn_softmax_row_avx512(float *p, int64_t seen, int64_t n,
+                                                           float scale) {
+    const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-104.0f);
+    __m512 vmax = _mm512_set1_ps(-INFINITY), vinv;
+    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
+    int64_t c;
+    for (c = 0; c < seen; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + c), vscale);
+        _mm512_mask_storeu_ps(p + c, m, v);
+        vmax = _mm512_mask_max_ps(vmax, m, v, vmax); /* a NaN score is passed over */
+    }
+    vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    for (c = 0; c < seen; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
+        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + c), vmax);
+        const __m512 e = _mm512_maskz_mov_ps(m, mpt__exp_avx512(_mm512_max_ps(floor, d)));
+        _mm512_mask_storeu_ps(p + c, m, e);
+        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                      _mm512_castps_pd(e), 1))));
+    }
+    vinv = _mm512_set1_ps((float)(1.0 / _mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1))));
+    for (c = 0; c < n; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - c));
+        const __mmask16 in = c < seen ? mpt__gemm_mask16((int)MPT__MIN(16, seen - c)) : 0;
+        _mm512_mask_storeu_ps(p + c, m,
+                              _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + c), vinv));
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+/* A row of scores as weights: the first `seen` of p's n scaled and put
+   through the softmax (float32, Σ in double), the rest zero. cpu: the
+   context's features (the AVX-512 form above where it has them). */
+static void mpt__attn_softmax_row(int cpu, float *p, int64_t seen, int64_t n, float scale) {
+    float row_max = -INFINITY, inv_sum;
+    double sum = 0;
+    int64_t c;
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__attn_softmax_row_avx512(p, seen, n, scale);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
+    for (c = 0; c < seen; c++) {
+        p[c] = mpt__fmul_rn(p[c], scale);
+        row_max = p[c] > row_max ? p[c] : row_max;
+    }
+    for (c = 0; c < seen; c++) sum += expf(mpt__fsub_rn(p[c], row_max));
+    inv_sum = (float)(1.0 / sum);
+    for (c = 0; c < n; c++) p[c] = c < seen ? mpt__attn_weight(p[c], row_max, inv_sum) : 0.0f;
+}
+
+/* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
+   stride n) holds the raw products Q·Kᵀ and becomes P; s.p_op gets P̃
+   (dropout applied) in dtype, zero past each row's last key seen. */
+static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    const float keep_scale = 1.0f / (1.0f - a->dropout);
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        float *p = s->p + r * n;
+        int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
+        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
+        mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
+        for (c = 0; c < n; c++) {
+            float kept = p[c];
+            if (j->dropout && c < seen)
+                kept = mpt__attn_keep(a->dropout_key, j->step, a->dropout, e0 + (uint64_t)c)
+                           ? mpt__fmul_rn(p[c], keep_scale)
+                           : 0.0f;
+            s->dp[r * n + c] = kept; /* the block's P̃, narrowed below */
+        }
+    }
+    mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, s->dp, rows * n);
+}
+
+/* The keys the block's rows see between them: up to the last row's. */
+static int64_t mpt__attn_block_keys(const mpt_attention_args *a, int64_t i0, int64_t rows) {
+    return mpt__attn_keys_seen(i0 + rows - 1, a->kv_len, a->causal, a->causal_offset);
+}
+
+/* S = Q_block · Kᵀ for the keys the block sees, into s->p (rows × n). */
+static void mpt__attn_scores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                             int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    size_t es = mpt_dtype_size(a->dtype);
+    int64_t qk = a->heads * a->key_dim;
+    mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->key_dim,
+                   mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es), qk,
+                   mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es), qk, 1.0f, 0.0f,
+                   s->p, n);
+}
+
+/* Forward, task = (sample, head, query block): O_block = P̃ · V. */
+static void mpt__attn_forward_task(void *arg, int64_t task, int thread) {
+    const mpt__attn_job *j = (const mpt__attn_job *)arg;
+    const mpt_attention_args *a = j->a;
+    const size_t es = mpt_dtype_size(a->dtype);
+    const int64_t bh = task / j->blocks, i0 = task % j->blocks * MPT__ATTN_BLOCK;
+    const int64_t b = bh / a->heads, h = bh % a->heads, v_ld = a->heads * a->value_dim;
+    const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
+    const int64_t n = mpt__attn_block_keys(a, i0, rows);
+    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
+    char *o = (char *)mpt__attn_rows(a, a->o, a->q_len, a->value_dim, b, h, i0, es);
+    int64_t r;
+    mpt__attn_scores(j, b, h, i0, rows, n, &s);
+    mpt__attn_weights(j, b, h, i0, rows, n, &s);
+    if (a->dtype == MPT_FLOAT32) { /* straight into o's rows */
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
+                       mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld,
+                       1.0f, 0.0f, (float *)o, v_ld);
+        return;
+    }
+    mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
+                   mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld, 1.0f,
+                   0.0f, s.o, a->value_dim);
+    for (r = 0; r < rows; r++)
+        mpt__convert(j->ctx, a->dtype, o + (size_t)(r * v_ld) * es, MPT_FLOAT32,
+                     s.o + r * a->value_dim, a->value_dim);
+}
+
+/* Zeros the (Tk, width) float32 rows of head h of sample b in g. */
+static void mpt__attn_zero_rows(const mpt_attention_args *a, float *g, int64_t width, int64_t b,
+                                int64_t h) {
+    int64_t t;
+    for (t = 0; t < a->kv_len; t++)
+        memset((float *)mpt__attn_rows(a, g, a->kv_len, width, b, h, t, 4), 0,
+               sizeof(float) * (size_t)width);
+}
+
+/* dS of the block's rows from P (s->p) and dP̃ (s->dp), into s->ds_op in
+   dtype: dP is dP̃ through the forward's mask and scale. */
+static void mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    const float keep_scale = 1.0f / (1.0f - a->dropout);
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        const float *p = s->p + r * n;
+        float *dp = s->dp + r * n, row_dot;
+        int64_t i = i0 + r;
+        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
+        double dot = 0;
+        if (j->dropout)
+            for (c = 0; c < n; c++)
+                dp[c] = p[c] != 0 && mpt__attn_keep(a->dropout_key, j->step, a->dropout,
+                                                    e0 + (uint64_t)c)
+                            ? mpt__fmul_rn(dp[c], keep_scale)
+                            : 0.0f;
+        for (c = 0; c < n; c++) dot += (double)p[c] * dp[c];
+        row_dot = (float)dot;
+        for (c = 0; c < n; c++) dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot);
+    }
+    mpt__convert(j->ctx, a->dtype, s->ds_op, MPT_FLOAT32, s->dp, rows * n);
+}
+
+/* Backward, task = (sample, head): every query block in order, each adding
+   its share to dK and dV. */
+static void mpt__attn_backward_task(void *arg, int64_t task, int thread) {
+    const mpt__attn_job *j = (const mpt__attn_job *)arg;
+    const mpt_attention_args *a = j->a;
+    const size_t es = mpt_dtype_size(a->dtype);
+    const int64_t b = task / a->heads, h = task % a->heads;
+    const int64_t qk = a->heads * a->key_dim, v_ld = a->heads * a->value_dim;
+    const char *k = mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es);
+    const char *v = mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es);
+    float *dk = (float *)mpt__attn_rows(a, a->dk, a->kv_len, a->key_dim, b, h, 0, 4);
+    float *dv = (float *)mpt__attn_rows(a, a->dv, a->kv_len, a->value_dim, b, h, 0, 4);
+    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
+    int64_t i0;
+    mpt__attn_zero_rows(a, a->dk, a->key_dim, b, h);
+    mpt__attn_zero_rows(a, a->dv, a->value_dim, b, h);
+    for (i0 = 0; i0 < a->q_len; i0 += MPT__ATTN_BLOCK) {
+        const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
+        const int64_t n = mpt__attn_block_keys(a, i0, rows);
+        const char *q = mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es);
+        const char *d_o = mpt__attn_rows(a, a->d_o, a->q_len, a->value_dim, b, h, i0, es);
+        float *dq = (float *)mpt__attn_rows(a, a->dq, a->q_len, a->key_dim, b, h, i0, 4);
+        mpt__attn_scores(j, b, h, i0, rows, n, &s);
+        mpt__attn_weights(j, b, h, i0, rows, n, &s);
+        /* dV += P̃ᵀ · dO;  dP̃ = dO · Vᵀ */
+        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->value_dim, rows, s.p_op, n, d_o, v_ld, 1.0f,
+                       1.0f, dv, v_ld);
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->value_dim, d_o, v_ld, v, v_ld, 1.0f,
+                       0.0f, s.dp, n);
+        mpt__attn_dscores(j, b, h, i0, rows, n, &s);
+        /* dQ = scale · dS · K;  dK += scale · dSᵀ · Q */
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->key_dim, n, s.ds_op, n, k, qk, a->scale,
+                       0.0f, dq, qk);
+        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->key_dim, rows, s.ds_op, n, q, qk, a->scale,
+                       1.0f, dk, qk);
+    }
+}
+
+static mpt__attn_job mpt__attn_job_for(mpt_context *ctx, const mpt_attention_args *a) {
+    mpt__attn_job j;
+    j.ctx = ctx;
+    j.a = a;
+    j.blocks = (a->q_len + MPT__ATTN_BLOCK - 1) / MPT__ATTN_BLOCK;
+    j.scratch_bytes = mpt__attn_scratch_bytes(a);
+    j.dropout = a->dropout > 0 && a->saved_step;
+    j.step = j.dropout ? (uint64_t)*a->saved_step : 0;
+    return j;
+}
+
+/* mpt_backend.attention_forward on the CPU. */
+static void mpt__cpu_attention_forward(void *impl, const mpt_attention_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__attn_job j;
+    if (a->dropout > 0 && a->state && a->saved_step) *a->saved_step = (int64_t)a->state->step;
+    j = mpt__attn_job_for(ctx, a);
+    j.dropout = j.dropout && a->state; /* inference: no dropout */
+    mpt__parallel_for(ctx, a->batch * a->heads * j.blocks, mpt__attn_forward_task, &j);
+}
+
+/* mpt_backend.attention_backward on the CPU. */
+static void mpt__cpu_attention_backward(void *impl, const mpt_attention_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__attn_job j = mpt__attn_job_for(ctx, a);
+    mpt__parallel_for(ctx, a->batch * a->heads, mpt__attn_backward_task, &j);
+}
+
+/* Workspace: each thread's scratch (the same for any batch). */
+static int64_t mpt__cpu_attention_workspace(void *impl, const mpt_attention_args *a) {
+    int64_t one = mpt__attn_scratch_bytes(a), all;
+    if (one < 0 || !mpt__mul_ok(one, ((mpt_context *)impl)->num_threads, &all)) return -1;
+    return all;
 }
 
 /* =============================================================================

@@ -4311,6 +4311,19 @@ static inline MPT__HD int8_t mpt__requantize_int8(int32_t acc, int32_t m, int sh
 /* Forced inline: one generic loop becomes a kernel per dtype pair (or per
    case), its switches folded away at compile time. */
 #define MPT__ALWAYS_INLINE __attribute__((always_inline)) inline
+/* Around AVX-512 code: GCC 12's AVX-512 headers start their "undefined"
+   vectors (the plain forms' pass-through, _mm512_reduce_*'s) as `__Y = __Y`,
+   which g++ reports as uninitialized once they are inlined there. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define MPT__AVX512_QUIET_BEGIN                                 \
+    _Pragma("GCC diagnostic push")                              \
+    _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
+    _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
+#define MPT__AVX512_QUIET_END _Pragma("GCC diagnostic pop")
+#else
+#define MPT__AVX512_QUIET_BEGIN
+#define MPT__AVX512_QUIET_END
+#endif
 #else
 #define MPT__X86 0
 #endif
@@ -5472,13 +5485,13 @@ static void mpt__layer_gemm(const mpt__pass *p, const mpt_gemm_desc *g, mpt_dtyp
     p->be->gemm(p->impl, g, c_dtype);
 }
 
-/* A layer's product of packed row-major matrices in its compute dtype:
-   c (m×n, float32) = op(a)·op(b), op(a) m×k and op(b) k×n, where a is
-   stored k×m when trans_a and b n×k when trans_b, each row after row. The
-   rest (bias, activation, beta) is the caller's to set. */
-static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int trans_b,
-                                          int64_t m, int64_t n, int64_t k, const void *a,
-                                          const void *b, float *c) {
+/* The product c (m×n, float32) = op(a)·op(b) of row-major matrices in
+   dtype, op(a) m×k and op(b) k×n, where a is stored k×m when trans_a and b
+   n×k when trans_b, with lda, ldb, ldc elements between rows. The rest
+   (alpha, beta, bias, activation) is the caller's to set. */
+static mpt_gemm_desc mpt__gemm_desc_rows(mpt_dtype dtype, int trans_a, int trans_b, int64_t m,
+                                         int64_t n, int64_t k, const void *a, int64_t lda,
+                                         const void *b, int64_t ldb, float *c, int64_t ldc) {
     mpt_gemm_desc g;
     memset(&g, 0, sizeof g);
     g.trans_a = trans_a;
@@ -5486,14 +5499,23 @@ static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int 
     g.m = m;
     g.n = n;
     g.k = k;
-    g.ab_dtype = L->dtype;
+    g.ab_dtype = dtype;
     g.a = a;
-    g.lda = trans_a ? m : k;
+    g.lda = lda;
     g.b = b;
-    g.ldb = trans_b ? k : n;
+    g.ldb = ldb;
     g.c = c;
-    g.ldc = n;
+    g.ldc = ldc;
     return g;
+}
+
+/* A layer's product of packed matrices (rows one after another) in its
+   compute dtype, as mpt__gemm_desc_rows. */
+static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int trans_b,
+                                          int64_t m, int64_t n, int64_t k, const void *a,
+                                          const void *b, float *c) {
+    return mpt__gemm_desc_rows(L->dtype, trans_a, trans_b, m, n, k, a, trans_a ? m : k, b,
+                               trans_b ? k : n, c, n);
 }
 
 /* Defined below, in @impl-model. */
@@ -9071,14 +9093,7 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
 }
 
 #if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
-   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
-   inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 /* mpt__ln_forward_row in AVX-512, 16 elements a step (the tail masked), x
    widened and y narrowed in registers. The same steps, but the row's two
    sums in double are taken in 16 lanes (two vectors of 8, the squared
@@ -9150,9 +9165,7 @@ MPT__TARGET_AVX512 static void mpt__ln_forward_rows_avx512(const mpt_layernorm_a
     else
         for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_FLOAT32, a, r);
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif
 
 static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
@@ -9904,34 +9917,14 @@ static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int t
                            int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx,
                            const void *y, int64_t ldy, float alpha, float beta, float *c,
                            int64_t ldc) {
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.trans_a = trans_a;
-    g.trans_b = trans_b;
-    g.m = m;
-    g.n = n;
-    g.k = k;
-    g.ab_dtype = dtype;
-    g.a = x;
-    g.lda = ldx;
-    g.b = y;
-    g.ldb = ldy;
-    g.c = c;
-    g.ldc = ldc;
+    mpt_gemm_desc g = mpt__gemm_desc_rows(dtype, trans_a, trans_b, m, n, k, x, ldx, y, ldy, c, ldc);
     g.alpha = alpha;
     g.beta = beta;
     mpt__gemm(ctx, &g);
 }
 
 #if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
-   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
-   inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 /* Defined below, in @impl-activations. */
 static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v);
 
@@ -9974,9 +9967,7 @@ MPT__TARGET_AVX512 static void mpt__attn_softmax_row_avx512(float *p, int64_t se
                               _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + c), vinv));
     }
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif
 
 /* A row of scores as weights: the first `seen` of p's n scaled and put
@@ -26445,12 +26436,7 @@ MPTDEF mpt_status mpt_convert(mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
    float32, which is exact one way and rounds once the other, so it equals
    the scalar composition. One generic loop is forced inline into a kernel
    per dtype pair, so the dtype switches fold away at compile time. */
-#if defined(__GNUC__) && !defined(__clang__)
-/* GCC 12's AVX-512 headers start "undefined" vectors as `__Y = __Y`, which
-   g++ reports as maybe-uninitialized once they are inlined here. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 
 /* bfloat16 rounding in integer arithmetic, @backend-shared's
    mpt__f32_bits_to_bf16 lane by lane. (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
@@ -26603,9 +26589,7 @@ static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *ds
     MPT__CONVERT_PAIRS(mpt__avx512_loop, dst_dtype, dst, src_dtype, src, n);
 }
 #undef MPT__CONVERT_PAIRS
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif /* MPT__X86 */
 
 /* =============================================================================
@@ -26684,14 +26668,7 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
 }
 
 #if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
-   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
-   inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 /* ---- GELU 16 lanes at a time ------------------------------------------------
    The exact GELU x·Φ(x) and its derivative Φ(x) + x·φ(x) in AVX-512, for
    the layers' passes (mpt__activation_forward_cpu, mpt__activation_grad).
@@ -26817,9 +26794,7 @@ MPT__TARGET_AVX512 static void mpt__gelu_backward_avx512(mpt_dtype dtype, const 
     else if (dtype == MPT_FLOAT16) mpt__gelu_backward_loop(MPT_FLOAT16, z, dy, dz, n);
     else mpt__gelu_backward_loop(MPT_FLOAT32, z, dy, dz, n);
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif
 
 /* y = act(x) in place on n floats, as mpt__activation_forward, with the

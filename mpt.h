@@ -9870,6 +9870,7 @@ typedef struct mpt__attn_job {
     int64_t scratch_bytes; /* one thread's share of the workspace       */
     uint64_t step;         /* dropout's                                */
     int dropout;           /* 1: this pass drops weights               */
+    float keep_scale;      /* a kept weight's factor, 1 / (1 - rate)   */
 } mpt__attn_job;
 
 /* A thread's scratch, for a block of up to MPT__ATTN_BLOCK queries against
@@ -9994,27 +9995,30 @@ static void mpt__attn_softmax_row(int cpu, float *p, int64_t seen, int64_t n, fl
     for (c = 0; c < n; c++) p[c] = c < seen ? mpt__attn_weight(p[c], row_max, inv_sum) : 0.0f;
 }
 
+/* Dropout of the weight (or its gradient) x at key c of query row i of
+   sample b, head h: 0 where the pass's stream drops that weight, else x
+   scaled by 1 / (1 - rate). Forward and backward drop the same ones. */
+static float mpt__attn_drop(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i, int64_t c,
+                            float x) {
+    const mpt_attention_args *a = j->a;
+    uint64_t e = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len + c);
+    return mpt__attn_keep(a->dropout_key, j->step, a->dropout, e) ? mpt__fmul_rn(x, j->keep_scale)
+                                                                  : 0.0f;
+}
+
 /* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
    stride n) holds the raw products Q·Kᵀ and becomes P; s.p_op gets P̃
    (dropout applied) in dtype, zero past each row's last key seen. */
 static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
                               int64_t rows, int64_t n, const mpt__attn_scratch *s) {
     const mpt_attention_args *a = j->a;
-    const float keep_scale = 1.0f / (1.0f - a->dropout);
     int64_t r, c;
     for (r = 0; r < rows; r++) {
         float *p = s->p + r * n;
         int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
-        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
         mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
-        for (c = 0; c < n; c++) {
-            float kept = p[c];
-            if (j->dropout && c < seen)
-                kept = mpt__attn_keep(a->dropout_key, j->step, a->dropout, e0 + (uint64_t)c)
-                           ? mpt__fmul_rn(p[c], keep_scale)
-                           : 0.0f;
-            s->dp[r * n + c] = kept; /* the block's P̃, narrowed below */
-        }
+        for (c = 0; c < n; c++) /* the block's P̃, narrowed below */
+            s->dp[r * n + c] = j->dropout && c < seen ? mpt__attn_drop(j, b, h, i, c, p[c]) : p[c];
     }
     mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, s->dp, rows * n);
 }
@@ -10077,26 +10081,19 @@ static void mpt__attn_zero_rows(const mpt_attention_args *a, float *g, int64_t w
    dtype: dP is dP̃ through the forward's mask and scale. */
 static void mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
                               int64_t rows, int64_t n, const mpt__attn_scratch *s) {
-    const mpt_attention_args *a = j->a;
-    const float keep_scale = 1.0f / (1.0f - a->dropout);
     int64_t r, c;
     for (r = 0; r < rows; r++) {
         const float *p = s->p + r * n;
         float *dp = s->dp + r * n, row_dot;
-        int64_t i = i0 + r;
-        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
         double dot = 0;
         if (j->dropout)
             for (c = 0; c < n; c++)
-                dp[c] = p[c] != 0 && mpt__attn_keep(a->dropout_key, j->step, a->dropout,
-                                                    e0 + (uint64_t)c)
-                            ? mpt__fmul_rn(dp[c], keep_scale)
-                            : 0.0f;
+                dp[c] = p[c] != 0 ? mpt__attn_drop(j, b, h, i0 + r, c, dp[c]) : 0.0f;
         for (c = 0; c < n; c++) dot += (double)p[c] * dp[c];
         row_dot = (float)dot;
         for (c = 0; c < n; c++) dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot);
     }
-    mpt__convert(j->ctx, a->dtype, s->ds_op, MPT_FLOAT32, s->dp, rows * n);
+    mpt__convert(j->ctx, j->a->dtype, s->ds_op, MPT_FLOAT32, s->dp, rows * n);
 }
 
 /* Backward, task = (sample, head): every query block in order, each adding
@@ -10145,6 +10142,7 @@ static mpt__attn_job mpt__attn_job_for(mpt_context *ctx, const mpt_attention_arg
     j.scratch_bytes = mpt__attn_scratch_bytes(a);
     j.dropout = a->dropout > 0 && a->saved_step;
     j.step = j.dropout ? (uint64_t)*a->saved_step : 0;
+    j.keep_scale = 1.0f / (1.0f - a->dropout);
     return j;
 }
 
@@ -13177,23 +13175,28 @@ static MPT__TARGET_AVX2 double mpt__sum_squares_avx2(const float *g, int64_t n) 
 
 typedef double (*mpt__sum_squares_fn)(const float *g, int64_t n);
 
+/* A sum of squares over every trainable gradient's elements, one range a
+   task: span adds a span's squares to the task's running sum (an
+   mpt__norm_acc). */
 typedef struct mpt__norm_job {
     const mpt_update_args *u;
     mpt__ranges r;
-    mpt__sum_squares_fn sum_squares;
-    double partial[MPT__OPT_TASKS]; /* (n_tasks) each range's sum of g² */
+    mpt__span_fn span;
+    mpt__sum_squares_fn sum_squares; /* the gradients' own squares         */
+    float unscale, steps;            /* the cycle's mean's (mpt__accum_mean) */
+    double partial[MPT__OPT_TASKS];  /* (n_tasks) each range's sum          */
 } mpt__norm_job;
 
 /* One task's running sum over the spans of its range. */
 typedef struct mpt__norm_acc {
-    mpt__sum_squares_fn sum_squares;
+    const mpt__norm_job *j;
     double sum;
 } mpt__norm_acc;
 
 static void mpt__norm_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
                            int64_t end) {
     mpt__norm_acc *a = (mpt__norm_acc *)arg;
-    a->sum += a->sum_squares(u->grad[k] + begin, end - begin);
+    a->sum += a->j->sum_squares(u->grad[k] + begin, end - begin);
 }
 
 static void mpt__norm_task(void *arg, int64_t task, int thread) {
@@ -13201,50 +13204,44 @@ static void mpt__norm_task(void *arg, int64_t task, int thread) {
     int64_t begin = task * j->r.range;
     mpt__norm_acc a;
     (void)thread;
-    a.sum_squares = j->sum_squares;
+    a.j = j;
     a.sum = 0;
-    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__norm_span, &a);
+    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), j->span, &a);
     j->partial[task] = a.sum;
 }
 
+/* The job's sum: the ranges' sums added in range order, so the same bits
+   for any thread count. */
+static double mpt__norm_sum(mpt_context *ctx, mpt__norm_job *j) {
+    double sum = 0;
+    int64_t t;
+    mpt__parallel_for(ctx, j->r.n_tasks, mpt__norm_task, j);
+    for (t = 0; t < j->r.n_tasks; t++) sum += j->partial[t];
+    return sum;
+}
+
 /* Σ g² over every trainable gradient as it stands (loss scale included), in
-   double, the ranges' sums added in range order: inf or NaN exactly when
-   some gradient is, and the same bits for any thread count. */
+   double: inf or NaN exactly when some gradient is. */
 static double mpt__gradient_sum_squares(mpt_context *ctx, const mpt_update_args *u,
                                         const mpt__ranges *r) {
     mpt__norm_job j;
-    double sum = 0;
-    int64_t t;
     j.u = u;
     j.r = *r;
+    j.span = mpt__norm_span;
     j.sum_squares = mpt__sum_squares;
 #if MPT__X86
     if (ctx->cpu & MPT_CPU_AVX2) j.sum_squares = mpt__sum_squares_avx2;
 #endif
-    mpt__parallel_for(ctx, r->n_tasks, mpt__norm_task, &j);
-    for (t = 0; t < r->n_tasks; t++) sum += j.partial[t];
-    return sum;
+    return mpt__norm_sum(ctx, &j);
 }
 
 /* Gradient accumulation's applying step: Σ over every element of the
    cycle's mean gradient squared (mpt__accum_mean, unscaled), to clip the
    mean as Keras clips it; the ranges' sums added in range order, as the
    gradients' own. */
-typedef struct mpt__mean_norm_job {
-    const mpt_update_args *u;
-    mpt__ranges r;
-    float unscale, steps;
-    double partial[MPT__OPT_TASKS]; /* (n_tasks) each range's sum */
-} mpt__mean_norm_job;
-
-typedef struct mpt__mean_norm_acc {
-    const mpt__mean_norm_job *j;
-    double sum;
-} mpt__mean_norm_acc;
-
 static void mpt__mean_norm_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
                                 int64_t end) {
-    mpt__mean_norm_acc *a = (mpt__mean_norm_acc *)arg;
+    mpt__norm_acc *a = (mpt__norm_acc *)arg;
     const float *g = u->grad[k], *sum = u->accum[k];
     int64_t i;
     for (i = begin; i < end; i++) {
@@ -13253,29 +13250,15 @@ static void mpt__mean_norm_span(void *arg, const mpt_update_args *u, int k, int6
     }
 }
 
-static void mpt__mean_norm_task(void *arg, int64_t task, int thread) {
-    mpt__mean_norm_job *j = (mpt__mean_norm_job *)arg;
-    int64_t begin = task * j->r.range;
-    mpt__mean_norm_acc a;
-    (void)thread;
-    a.j = j;
-    a.sum = 0;
-    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__mean_norm_span, &a);
-    j->partial[task] = a.sum;
-}
-
 static double mpt__mean_sum_squares(mpt_context *ctx, const mpt_update_args *u,
                                     const mpt__ranges *r) {
-    mpt__mean_norm_job j;
-    double sum = 0;
-    int64_t t;
+    mpt__norm_job j;
     j.u = u;
     j.r = *r;
+    j.span = mpt__mean_norm_span;
     j.unscale = mpt__accum_unscale(u->state);
     j.steps = (float)mpt__accum_steps(&u->optimizer);
-    mpt__parallel_for(ctx, r->n_tasks, mpt__mean_norm_task, &j);
-    for (t = 0; t < r->n_tasks; t++) sum += j.partial[t];
-    return sum;
+    return mpt__norm_sum(ctx, &j);
 }
 
 /* The CPU backend's first pass (mpt_backend.grad_stats); with gradient

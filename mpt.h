@@ -9054,26 +9054,38 @@ static void mpt__ln_forward_row(const mpt__ln_job *j, int64_t r) {
     }
 }
 
+/* Columns c0 .. c0 + k of row r (mean, inv_std): x̂ into xhat, dy
+   widened into dy, g = dy · gamma into g. */
+static void mpt__ln_backward_piece(const mpt__ln_job *j, int64_t r, int64_t c0, int64_t k,
+                                   float *xhat, float *dy, float *g) {
+    const mpt_layernorm_args *a = j->a;
+    const int64_t at = r * a->cols + c0;
+    int64_t c;
+    mpt__ln_widen(j, a->x, at, k, xhat);
+    mpt__ln_widen(j, a->dy, at, k, dy);
+    for (c = 0; c < k; c++) {
+        xhat[c] = mpt__ln_xhat(xhat[c], a->mean[r], a->inv_std[r]);
+        g[c] = mpt__fmul_rn(dy[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+    }
+}
+
 /* Row r's dx (when wanted), and its dy and dy · x̂ added to the chunk's
    column sums s (2, D). */
 static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     const mpt_layernorm_args *a = j->a;
-    const int64_t D = a->cols, at = r * D;
-    const float mean = a->mean[r], inv_std = a->inv_std[r];
-    float xf[MPT__LN_PIECE], dyf[MPT__LN_PIECE], mean_g, mean_gx;
+    const int64_t D = a->cols;
+    const float inv_std = a->inv_std[r];
+    float xhat[MPT__LN_PIECE], dyf[MPT__LN_PIECE], g[MPT__LN_PIECE], mean_g, mean_gx;
     double sum_g = 0, sum_gx = 0;
     int64_t c0, c, k;
     for (c0 = 0; c0 < D; c0 += k) {
         k = MPT__MIN(MPT__LN_PIECE, D - c0);
-        mpt__ln_widen(j, a->x, at + c0, k, xf);
-        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
+        mpt__ln_backward_piece(j, r, c0, k, xhat, dyf, g);
         for (c = 0; c < k; c++) {
-            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
-            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
-            sum_g += g;
-            sum_gx += (double)g * xhat;
+            sum_g += g[c];
+            sum_gx += (double)g[c] * xhat[c];
             s[c0 + c] += dyf[c];
-            s[D + c0 + c] += (double)dyf[c] * xhat;
+            s[D + c0 + c] += (double)dyf[c] * xhat[c];
         }
     }
     if (!a->dx) return;
@@ -9081,14 +9093,9 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     mean_gx = mpt__ln_row_mean(sum_gx, D);
     for (c0 = 0; c0 < D; c0 += k) {
         k = MPT__MIN(MPT__LN_PIECE, D - c0);
-        mpt__ln_widen(j, a->x, at + c0, k, xf);
-        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
-        for (c = 0; c < k; c++) {
-            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
-            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
-            xf[c] = mpt__ln_dx(g, xhat, mean_g, mean_gx, inv_std);
-        }
-        mpt__ln_narrow(j, a->dx, at + c0, k, xf);
+        mpt__ln_backward_piece(j, r, c0, k, xhat, dyf, g);
+        for (c = 0; c < k; c++) xhat[c] = mpt__ln_dx(g[c], xhat[c], mean_g, mean_gx, inv_std);
+        mpt__ln_narrow(j, a->dx, r * D + c0, k, xhat);
     }
 }
 
@@ -13210,11 +13217,14 @@ static void mpt__norm_task(void *arg, int64_t task, int thread) {
     j->partial[task] = a.sum;
 }
 
-/* The job's sum: the ranges' sums added in range order, so the same bits
-   for any thread count. */
-static double mpt__norm_sum(mpt_context *ctx, mpt__norm_job *j) {
+/* The job's sum over u's gradients in the ranges r: the ranges' sums added
+   in range order, so the same bits for any thread count. */
+static double mpt__norm_sum(mpt_context *ctx, const mpt_update_args *u, const mpt__ranges *r,
+                            mpt__norm_job *j) {
     double sum = 0;
     int64_t t;
+    j->u = u;
+    j->r = *r;
     mpt__parallel_for(ctx, j->r.n_tasks, mpt__norm_task, j);
     for (t = 0; t < j->r.n_tasks; t++) sum += j->partial[t];
     return sum;
@@ -13225,14 +13235,12 @@ static double mpt__norm_sum(mpt_context *ctx, mpt__norm_job *j) {
 static double mpt__gradient_sum_squares(mpt_context *ctx, const mpt_update_args *u,
                                         const mpt__ranges *r) {
     mpt__norm_job j;
-    j.u = u;
-    j.r = *r;
     j.span = mpt__norm_span;
     j.sum_squares = mpt__sum_squares;
 #if MPT__X86
     if (ctx->cpu & MPT_CPU_AVX2) j.sum_squares = mpt__sum_squares_avx2;
 #endif
-    return mpt__norm_sum(ctx, &j);
+    return mpt__norm_sum(ctx, u, r, &j);
 }
 
 /* Gradient accumulation's applying step: Σ over every element of the
@@ -13253,12 +13261,10 @@ static void mpt__mean_norm_span(void *arg, const mpt_update_args *u, int k, int6
 static double mpt__mean_sum_squares(mpt_context *ctx, const mpt_update_args *u,
                                     const mpt__ranges *r) {
     mpt__norm_job j;
-    j.u = u;
-    j.r = *r;
     j.span = mpt__mean_norm_span;
     j.unscale = mpt__accum_unscale(u->state);
     j.steps = (float)mpt__accum_steps(&u->optimizer);
-    return mpt__norm_sum(ctx, &j);
+    return mpt__norm_sum(ctx, u, r, &j);
 }
 
 /* The CPU backend's first pass (mpt_backend.grad_stats); with gradient
@@ -26345,19 +26351,41 @@ static mpt__convert_fn mpt__convert_kernel(int cpu, mpt_dtype dst_dtype, mpt_dty
 #define MPT__CONVERT_CHUNK ((int64_t)1 << 16)
 #define MPT__CONVERT_PARALLEL_MIN ((int64_t)1 << 20)
 
+/* An elementwise pass over n elements on ctx's pool, in those chunks:
+   fn(arg, begin, count) for each, one task a chunk. Other elementwise
+   passes (activations, ReLU's gradient) split the same way. */
+typedef void (*mpt__chunk_fn)(void *arg, int64_t begin, int64_t count);
+
+typedef struct mpt__chunks_job {
+    mpt__chunk_fn fn;
+    void *arg;
+    int64_t n;
+} mpt__chunks_job;
+
+static void mpt__chunks_task(void *arg, int64_t task, int thread) {
+    const mpt__chunks_job *j = (const mpt__chunks_job *)arg;
+    int64_t begin = task * MPT__CONVERT_CHUNK;
+    (void)thread;
+    j->fn(j->arg, begin, MPT__MIN(MPT__CONVERT_CHUNK, j->n - begin));
+}
+
+static void mpt__parallel_chunks(mpt_context *ctx, int64_t n, mpt__chunk_fn fn, void *arg) {
+    mpt__chunks_job j;
+    j.fn = fn;
+    j.arg = arg;
+    j.n = n;
+    mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK, mpt__chunks_task, &j);
+}
+
 typedef struct mpt__convert_job {
     mpt__convert_fn fn;
     mpt_dtype dst_dtype, src_dtype;
     char *dst;
     const char *src;
-    int64_t n;
 } mpt__convert_job;
 
-static void mpt__convert_task(void *arg, int64_t task, int thread) {
+static void mpt__convert_chunk(void *arg, int64_t begin, int64_t count) {
     const mpt__convert_job *job = (const mpt__convert_job *)arg;
-    int64_t begin = task * MPT__CONVERT_CHUNK;
-    int64_t count = MPT__MIN(MPT__CONVERT_CHUNK, job->n - begin);
-    (void)thread;
     job->fn(job->dst_dtype, job->dst + (size_t)begin * mpt_dtype_size(job->dst_dtype),
             job->src_dtype, job->src + (size_t)begin * mpt_dtype_size(job->src_dtype), count);
 }
@@ -26379,13 +26407,11 @@ static void mpt__convert(const mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
     job.src_dtype = src_dtype;
     job.dst = (char *)dst;
     job.src = (const char *)src;
-    job.n = n;
     if (ctx && n >= MPT__CONVERT_PARALLEL_MIN) {
         /* The pool is the only part of the context this touches. Called
            from inside a task (a layer's own parallel-for), this runs
            inline on that thread. */
-        mpt__parallel_for((mpt_context *)ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
-                          mpt__convert_task, &job);
+        mpt__parallel_chunks((mpt_context *)ctx, n, mpt__convert_chunk, &job);
         return;
     }
     job.fn(dst_dtype, dst, src_dtype, src, n);
@@ -27813,15 +27839,11 @@ typedef struct mpt__relu_half_job {
     mpt_dtype dtype;
     const mpt_half *y, *dy;
     float *dz;
-    int64_t n;
 } mpt__relu_half_job;
 
-static void mpt__relu_half_task(void *arg, int64_t task, int thread) {
+static void mpt__relu_half_chunk(void *arg, int64_t i, int64_t count) {
     const mpt__relu_half_job *j = (const mpt__relu_half_job *)arg;
-    const int64_t i = task * MPT__CONVERT_CHUNK;
-    (void)thread;
-    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i,
-                                   MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i, count);
 }
 
 /* Split as mpt__convert splits: each element on its own, so any split
@@ -27833,12 +27855,10 @@ static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const voi
     j.y = (const mpt_half *)y;
     j.dy = (const mpt_half *)dy;
     j.dz = dz;
-    j.n = n;
     if (n < MPT__CONVERT_PARALLEL_MIN)
         mpt__relu_backward_half_avx512(dtype, y, dy, dz, n);
     else
-        mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
-                          mpt__relu_half_task, &j);
+        mpt__parallel_chunks(ctx, n, mpt__relu_half_chunk, &j);
 }
 #endif
 
@@ -39423,14 +39443,11 @@ typedef struct mpt__activation_job {
     int cpu;
     mpt_activation act;
     float *x;
-    int64_t n;
 } mpt__activation_job;
 
-static void mpt__activation_task(void *arg, int64_t task, int thread) {
+static void mpt__activation_chunk(void *arg, int64_t i, int64_t count) {
     const mpt__activation_job *j = (const mpt__activation_job *)arg;
-    const int64_t i = task * MPT__CONVERT_CHUNK;
-    (void)thread;
-    mpt__activation_forward_cpu(j->cpu, j->act, j->x + i, MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+    mpt__activation_forward_cpu(j->cpu, j->act, j->x + i, count);
 }
 
 /* Elementwise activations over the pool in mpt__convert's chunks (each
@@ -39439,6 +39456,7 @@ static void mpt__activation_task(void *arg, int64_t task, int thread) {
 static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_t rows,
                                 int64_t cols) {
     mpt_context *ctx = (mpt_context *)impl;
+    const int64_t n = rows * cols;
     mpt__activation_job j;
     if (act == MPT_ACT_SOFTMAX) {
         mpt__softmax_rows(x, rows, cols);
@@ -39447,12 +39465,10 @@ static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_
     j.cpu = ctx->cpu;
     j.act = act;
     j.x = x;
-    j.n = rows * cols;
-    if (j.n < 2 * MPT__CONVERT_CHUNK || act == MPT_ACT_NONE || act == MPT_ACT_RELU)
-        mpt__activation_forward_cpu(j.cpu, act, x, j.n);
+    if (n < 2 * MPT__CONVERT_CHUNK || act == MPT_ACT_NONE || act == MPT_ACT_RELU)
+        mpt__activation_forward_cpu(j.cpu, act, x, n);
     else
-        mpt__parallel_for(ctx, (j.n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
-                          mpt__activation_task, &j);
+        mpt__parallel_chunks(ctx, n, mpt__activation_chunk, &j);
 }
 
 /* The activation's gradient and the bias gradient's column sums run in

@@ -14304,36 +14304,22 @@ static int mpt__label_rank(const mpt_tensor *y) {
     return y->dtype == MPT_INT32 && mpt_tensor_count(y) == y->shape[0] ? 0 : y->rank - 1;
 }
 
-/* The labels of outputs 1.. (desc->labels[1..]), borrowed or copied. */
-static mpt_status mpt__dataset_take_labels(mpt_context *ctx, mpt_dataset *d,
-                                           const mpt_dataset_desc *desc) {
+/* Tensors 1.. of a list (desc->inputs or desc->labels) into d's slots 1..
+   (d->in or d->lab), borrowed or copied; *taken counts the slots taken,
+   which release frees. A label's sample shape is mpt__label_rank's. */
+static mpt_status mpt__dataset_take_list(mpt_context *ctx, const mpt_tensor *const *list,
+                                         int count, int labels, int copy,
+                                         mpt__dataset_input *slots, int *taken) {
     int k;
-    for (k = 1; k < desc->label_count; k++) {
-        const mpt_tensor *t = desc->labels[k];
-        mpt__dataset_input *lab = &d->lab[k];
-        lab->dtype = t->dtype;
-        lab->rank = mpt__label_rank(t);
-        memcpy(lab->shape, t->shape + 1, sizeof(int64_t) * (size_t)lab->rank);
-        lab->count = mpt__shape_count(lab->rank, lab->shape);
-        d->n_labels = k + 1; /* what release frees */
-        MPT__CHECK(mpt__dataset_take(ctx, t, desc->copy, &lab->data, &lab->owned));
-    }
-    return MPT_OK;
-}
-
-/* The added inputs' tensors (desc->inputs[1..]), borrowed or copied. */
-static mpt_status mpt__dataset_take_inputs(mpt_context *ctx, mpt_dataset *d,
-                                           const mpt_dataset_desc *desc) {
-    int k;
-    for (k = 1; k < desc->input_count; k++) {
-        const mpt_tensor *t = desc->inputs[k];
-        mpt__dataset_input *in = &d->in[k];
+    for (k = 1; k < count; k++) {
+        const mpt_tensor *t = list[k];
+        mpt__dataset_input *in = &slots[k];
         in->dtype = t->dtype;
-        in->rank = t->rank - 1;
+        in->rank = labels ? mpt__label_rank(t) : t->rank - 1;
         memcpy(in->shape, t->shape + 1, sizeof(int64_t) * (size_t)in->rank);
         in->count = mpt__shape_count(in->rank, in->shape);
-        d->n_inputs = k + 1; /* what release frees */
-        MPT__CHECK(mpt__dataset_take(ctx, t, desc->copy, &in->data, &in->owned));
+        *taken = k + 1;
+        MPT__CHECK(mpt__dataset_take(ctx, t, copy, &in->data, &in->owned));
     }
     return MPT_OK;
 }
@@ -14370,8 +14356,12 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
         s = mpt__dataset_take(ctx, desc->y, desc->copy, &d->y, &d->owned_y);
     if (s == MPT_OK && desc->sample_weight)
         s = mpt__dataset_take_weights(ctx, d, desc->sample_weight);
-    if (s == MPT_OK && desc->inputs) s = mpt__dataset_take_inputs(ctx, d, desc);
-    if (s == MPT_OK && desc->labels) s = mpt__dataset_take_labels(ctx, d, desc);
+    if (s == MPT_OK && desc->inputs)
+        s = mpt__dataset_take_list(ctx, desc->inputs, desc->input_count, 0, desc->copy, d->in,
+                                   &d->n_inputs);
+    if (s == MPT_OK && desc->labels)
+        s = mpt__dataset_take_list(ctx, desc->labels, desc->label_count, 1, desc->copy, d->lab,
+                                   &d->n_labels);
     if (s != MPT_OK) {
         mpt_dataset_destroy(d);
         return s;

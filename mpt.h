@@ -9054,38 +9054,26 @@ static void mpt__ln_forward_row(const mpt__ln_job *j, int64_t r) {
     }
 }
 
-/* Columns c0 .. c0 + k of row r (mean, inv_std): x̂ into xhat, dy
-   widened into dy, g = dy · gamma into g. */
-static void mpt__ln_backward_piece(const mpt__ln_job *j, int64_t r, int64_t c0, int64_t k,
-                                   float *xhat, float *dy, float *g) {
-    const mpt_layernorm_args *a = j->a;
-    const int64_t at = r * a->cols + c0;
-    int64_t c;
-    mpt__ln_widen(j, a->x, at, k, xhat);
-    mpt__ln_widen(j, a->dy, at, k, dy);
-    for (c = 0; c < k; c++) {
-        xhat[c] = mpt__ln_xhat(xhat[c], a->mean[r], a->inv_std[r]);
-        g[c] = mpt__fmul_rn(dy[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
-    }
-}
-
 /* Row r's dx (when wanted), and its dy and dy · x̂ added to the chunk's
    column sums s (2, D). */
 static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     const mpt_layernorm_args *a = j->a;
-    const int64_t D = a->cols;
-    const float inv_std = a->inv_std[r];
-    float xhat[MPT__LN_PIECE], dyf[MPT__LN_PIECE], g[MPT__LN_PIECE], mean_g, mean_gx;
+    const int64_t D = a->cols, at = r * D;
+    const float mean = a->mean[r], inv_std = a->inv_std[r];
+    float xf[MPT__LN_PIECE], dyf[MPT__LN_PIECE], mean_g, mean_gx;
     double sum_g = 0, sum_gx = 0;
     int64_t c0, c, k;
     for (c0 = 0; c0 < D; c0 += k) {
         k = MPT__MIN(MPT__LN_PIECE, D - c0);
-        mpt__ln_backward_piece(j, r, c0, k, xhat, dyf, g);
+        mpt__ln_widen(j, a->x, at + c0, k, xf);
+        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
         for (c = 0; c < k; c++) {
-            sum_g += g[c];
-            sum_gx += (double)g[c] * xhat[c];
+            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
+            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+            sum_g += g;
+            sum_gx += (double)g * xhat;
             s[c0 + c] += dyf[c];
-            s[D + c0 + c] += (double)dyf[c] * xhat[c];
+            s[D + c0 + c] += (double)dyf[c] * xhat;
         }
     }
     if (!a->dx) return;
@@ -9093,9 +9081,14 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     mean_gx = mpt__ln_row_mean(sum_gx, D);
     for (c0 = 0; c0 < D; c0 += k) {
         k = MPT__MIN(MPT__LN_PIECE, D - c0);
-        mpt__ln_backward_piece(j, r, c0, k, xhat, dyf, g);
-        for (c = 0; c < k; c++) xhat[c] = mpt__ln_dx(g[c], xhat[c], mean_g, mean_gx, inv_std);
-        mpt__ln_narrow(j, a->dx, r * D + c0, k, xhat);
+        mpt__ln_widen(j, a->x, at + c0, k, xf);
+        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
+        for (c = 0; c < k; c++) {
+            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
+            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+            xf[c] = mpt__ln_dx(g, xhat, mean_g, mean_gx, inv_std);
+        }
+        mpt__ln_narrow(j, a->dx, at + c0, k, xf);
     }
 }
 

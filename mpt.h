@@ -290,7 +290,9 @@
        @impl-layernorm    LayerNormalization: rows of the last axis, each
                           normalised on its own; the CPU's backend functions
        @impl-attention    MultiHeadAttention: four projections around the
-                          scaled dot-product attention; the CPU's attention
+                          scaled dot-product attention
+       @impl-attention-cpu  the CPU's scaled dot-product attention, a block of
+                          queries of one sample and head at a time
        @impl-model        the model: create, add, the functional form (a layer
                           applied to nodes, shared layers, several inputs as
                           InputLayers, several outputs), initial weights
@@ -4309,6 +4311,19 @@ static inline MPT__HD int8_t mpt__requantize_int8(int32_t acc, int32_t m, int sh
 /* Forced inline: one generic loop becomes a kernel per dtype pair (or per
    case), its switches folded away at compile time. */
 #define MPT__ALWAYS_INLINE __attribute__((always_inline)) inline
+/* Around AVX-512 code: GCC 12's AVX-512 headers start their "undefined"
+   vectors (the plain forms' pass-through, _mm512_reduce_*'s) as `__Y = __Y`,
+   which g++ reports as uninitialized once they are inlined there. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define MPT__AVX512_QUIET_BEGIN                                 \
+    _Pragma("GCC diagnostic push")                              \
+    _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") \
+    _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")
+#define MPT__AVX512_QUIET_END _Pragma("GCC diagnostic pop")
+#else
+#define MPT__AVX512_QUIET_BEGIN
+#define MPT__AVX512_QUIET_END
+#endif
 #else
 #define MPT__X86 0
 #endif
@@ -5470,13 +5485,13 @@ static void mpt__layer_gemm(const mpt__pass *p, const mpt_gemm_desc *g, mpt_dtyp
     p->be->gemm(p->impl, g, c_dtype);
 }
 
-/* A layer's product of packed row-major matrices in its compute dtype:
-   c (m×n, float32) = op(a)·op(b), op(a) m×k and op(b) k×n, where a is
-   stored k×m when trans_a and b n×k when trans_b, each row after row. The
-   rest (bias, activation, beta) is the caller's to set. */
-static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int trans_b,
-                                          int64_t m, int64_t n, int64_t k, const void *a,
-                                          const void *b, float *c) {
+/* The product c (m×n, float32) = op(a)·op(b) of row-major matrices in
+   dtype, op(a) m×k and op(b) k×n, where a is stored k×m when trans_a and b
+   n×k when trans_b, with lda, ldb, ldc elements between rows. The rest
+   (alpha, beta, bias, activation) is the caller's to set. */
+static mpt_gemm_desc mpt__gemm_desc_rows(mpt_dtype dtype, int trans_a, int trans_b, int64_t m,
+                                         int64_t n, int64_t k, const void *a, int64_t lda,
+                                         const void *b, int64_t ldb, float *c, int64_t ldc) {
     mpt_gemm_desc g;
     memset(&g, 0, sizeof g);
     g.trans_a = trans_a;
@@ -5484,14 +5499,23 @@ static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int 
     g.m = m;
     g.n = n;
     g.k = k;
-    g.ab_dtype = L->dtype;
+    g.ab_dtype = dtype;
     g.a = a;
-    g.lda = trans_a ? m : k;
+    g.lda = lda;
     g.b = b;
-    g.ldb = trans_b ? k : n;
+    g.ldb = ldb;
     g.c = c;
-    g.ldc = n;
+    g.ldc = ldc;
     return g;
+}
+
+/* A layer's product of packed matrices (rows one after another) in its
+   compute dtype, as mpt__gemm_desc_rows. */
+static mpt_gemm_desc mpt__layer_gemm_desc(const mpt__layer *L, int trans_a, int trans_b,
+                                          int64_t m, int64_t n, int64_t k, const void *a,
+                                          const void *b, float *c) {
+    return mpt__gemm_desc_rows(L->dtype, trans_a, trans_b, m, n, k, a, trans_a ? m : k, b,
+                               trans_b ? k : n, c, n);
 }
 
 /* Defined below, in @impl-model. */
@@ -9069,14 +9093,7 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
 }
 
 #if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
-   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
-   inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 /* mpt__ln_forward_row in AVX-512, 16 elements a step (the tail masked), x
    widened and y narrowed in registers. The same steps, but the row's two
    sums in double are taken in 16 lanes (two vectors of 8, the squared
@@ -9148,9 +9165,7 @@ MPT__TARGET_AVX512 static void mpt__ln_forward_rows_avx512(const mpt_layernorm_a
     else
         for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_FLOAT32, a, r);
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif
 
 static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
@@ -9369,359 +9384,8 @@ MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
    sequence: query · Wq gives (B·Tq, H·key_dim), whose rows already hold
    each head's query side by side, so the attention reads head h of
    position i at row i, column h·key_dim, without a transpose; its output
-   lies the same way and is the output projection's input.
-
-   The CPU's attention takes one sample and head at a time, as the
-   attention of one head of one sample needs nothing of another's: forward
-   goes over blocks of MPT__ATTN_BLOCK queries, the block's scores
-   (block × Tk, float32) being the only scratch of size Tk, so the
-   Tq × Tk matrix is never held whole. Each product is the CPU GEMM of
-   @impl-gemm on that thread alone (a parallel-for inside a task runs on
-   its thread), the operands in the compute dtype and the sums in float32,
-   as a Dense layer's. Backward computes the block's scores and weights
-   again instead of keeping them (the forward's memory would grow with
-   Tq·Tk per head) and adds the block's share to dK and dV; a task owns a
-   whole (sample, head), so the blocks are added in order and every result
-   is the same whatever the thread count. */
-
-#define MPT__ATTN_BLOCK 64 /* query rows the CPU takes at a time */
-
-/* Defined in @impl-gemm: the CPU GEMM. */
-static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d);
-
-/* One CPU attention pass: its arguments and each thread's scratch. */
-typedef struct mpt__attn_job {
-    mpt_context *ctx;
-    const mpt_attention_args *a;
-    int64_t blocks;        /* query blocks per (sample, head)          */
-    int64_t scratch_bytes; /* one thread's share of the workspace       */
-    uint64_t step;         /* dropout's                                */
-    int dropout;           /* 1: this pass drops weights               */
-} mpt__attn_job;
-
-/* A thread's scratch, for a block of up to MPT__ATTN_BLOCK queries against
-   Tk keys: the scores and weights, backward's dP (float32, block × Tk
-   each), the weights and dS as GEMM operands (block × Tk, in dtype), and
-   the forward's output rows (block × value_dim, float32). */
-typedef struct mpt__attn_scratch {
-    float *p, *dp;
-    void *p_op, *ds_op;
-    float *o;
-} mpt__attn_scratch;
-
-static int64_t mpt__attn_scratch_bytes(const mpt_attention_args *a) {
-    int64_t block = MPT__MIN(MPT__ATTN_BLOCK, a->q_len), scores, rows, bytes;
-    if (!mpt__mul_ok(block, a->kv_len, &scores) || !mpt__mul_ok(block, a->value_dim, &rows) ||
-        !mpt__mul_ok(scores, 16, &bytes) || !mpt__add_ok(bytes, 4 * rows, &bytes))
-        return -1;
-    return mpt__ws_bytes(bytes, 5);
-}
-
-static mpt__attn_scratch mpt__attn_scratch_for(const mpt__attn_job *j, int thread) {
-    const int64_t scores = MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->kv_len;
-    mpt__ws w;
-    mpt__attn_scratch s;
-    w.next = (unsigned char *)j->a->workspace + (size_t)(thread * j->scratch_bytes);
-    s.p = (float *)mpt__ws_take(&w, 4 * scores);
-    s.dp = (float *)mpt__ws_take(&w, 4 * scores);
-    s.p_op = mpt__ws_take(&w, 4 * scores);
-    s.ds_op = mpt__ws_take(&w, 4 * scores);
-    s.o = (float *)mpt__ws_take(&w, 4 * MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->value_dim);
-    return s;
-}
-
-/* Head h of sample b: where its rows of q (or k, v, o) start, and the
-   distance between two positions' rows (all heads lie between). */
-static const char *mpt__attn_rows(const mpt_attention_args *a, const void *base, int64_t len,
-                                  int64_t width, int64_t b, int64_t h, int64_t position,
-                                  size_t elem) {
-    return (const char *)base + (size_t)(((b * len + position) * a->heads + h) * width) * elem;
-}
-
-/* The product c (m × n) = alpha · op(x) · op(y) + beta · c of row-major
-   operands in dtype (float32 for c), on this thread. */
-static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int trans_b,
-                           int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx,
-                           const void *y, int64_t ldy, float alpha, float beta, float *c,
-                           int64_t ldc) {
-    mpt_gemm_desc g;
-    memset(&g, 0, sizeof g);
-    g.trans_a = trans_a;
-    g.trans_b = trans_b;
-    g.m = m;
-    g.n = n;
-    g.k = k;
-    g.ab_dtype = dtype;
-    g.a = x;
-    g.lda = ldx;
-    g.b = y;
-    g.ldb = ldy;
-    g.c = c;
-    g.ldc = ldc;
-    g.alpha = alpha;
-    g.beta = beta;
-    mpt__gemm(ctx, &g);
-}
-
-#if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
-   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
-   inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-/* Defined below, in @impl-activations. */
-static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v);
-
-/* mpt__attn_softmax_row 16 keys at a time: the same steps (the scores
-   scaled, the row's largest, Σ exp(s − max) in double, each weight
-   exp(s − max)·(1/Σ)), with mpt__exp_avx512 for expf, evaluated once a
-   key and kept in p, and the double sum taken in 16 lanes, then added
-   across. So the weights differ from the scalar rule's (@backend-shared-
-   training's mpt__attn_weight, which CUDA runs) in the last bits: each
-   is within 3.6e-7 relative of the softmax in double (test_attention's
-   test_softmax_row_vector holds it to 5e-7). NaN scores give NaN weights,
-   as the scalar rule's; -inf ones (s − max below -104) give 0. */
-MPT__TARGET_AVX512 static void mpt__attn_softmax_row_avx512(float *p, int64_t seen, int64_t n,
-                                                           float scale) {
-    const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-104.0f);
-    __m512 vmax = _mm512_set1_ps(-INFINITY), vinv;
-    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
-    int64_t c;
-    for (c = 0; c < seen; c += 16) {
-        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
-        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + c), vscale);
-        _mm512_mask_storeu_ps(p + c, m, v);
-        vmax = _mm512_mask_max_ps(vmax, m, v, vmax); /* a NaN score is passed over */
-    }
-    vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    for (c = 0; c < seen; c += 16) {
-        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
-        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + c), vmax);
-        const __m512 e = _mm512_maskz_mov_ps(m, mpt__exp_avx512(_mm512_max_ps(floor, d)));
-        _mm512_mask_storeu_ps(p + c, m, e);
-        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
-                                      _mm512_castps_pd(e), 1))));
-    }
-    vinv = _mm512_set1_ps((float)(1.0 / _mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1))));
-    for (c = 0; c < n; c += 16) {
-        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - c));
-        const __mmask16 in = c < seen ? mpt__gemm_mask16((int)MPT__MIN(16, seen - c)) : 0;
-        _mm512_mask_storeu_ps(p + c, m,
-                              _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + c), vinv));
-    }
-}
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
-
-/* A row of scores as weights: the first `seen` of p's n scaled and put
-   through the softmax (float32, Σ in double), the rest zero. cpu: the
-   context's features (the AVX-512 form above where it has them). */
-static void mpt__attn_softmax_row(int cpu, float *p, int64_t seen, int64_t n, float scale) {
-    float row_max = -INFINITY, inv_sum;
-    double sum = 0;
-    int64_t c;
-#if MPT__X86
-    if (cpu & MPT_CPU_AVX512) {
-        mpt__attn_softmax_row_avx512(p, seen, n, scale);
-        return;
-    }
-#else
-    (void)cpu;
-#endif
-    for (c = 0; c < seen; c++) {
-        p[c] = mpt__fmul_rn(p[c], scale);
-        row_max = p[c] > row_max ? p[c] : row_max;
-    }
-    for (c = 0; c < seen; c++) sum += expf(mpt__fsub_rn(p[c], row_max));
-    inv_sum = (float)(1.0 / sum);
-    for (c = 0; c < n; c++) p[c] = c < seen ? mpt__attn_weight(p[c], row_max, inv_sum) : 0.0f;
-}
-
-/* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
-   stride n) holds the raw products Q·Kᵀ and becomes P; s.p_op gets P̃
-   (dropout applied) in dtype, zero past each row's last key seen. */
-static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
-                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
-    const mpt_attention_args *a = j->a;
-    const float keep_scale = 1.0f / (1.0f - a->dropout);
-    int64_t r, c;
-    for (r = 0; r < rows; r++) {
-        float *p = s->p + r * n;
-        int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
-        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
-        mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
-        for (c = 0; c < n; c++) {
-            float kept = p[c];
-            if (j->dropout && c < seen)
-                kept = mpt__attn_keep(a->dropout_key, j->step, a->dropout, e0 + (uint64_t)c)
-                           ? mpt__fmul_rn(p[c], keep_scale)
-                           : 0.0f;
-            s->dp[r * n + c] = kept; /* the block's P̃, narrowed below */
-        }
-    }
-    mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, s->dp, rows * n);
-}
-
-/* The keys the block's rows see between them: up to the last row's. */
-static int64_t mpt__attn_block_keys(const mpt_attention_args *a, int64_t i0, int64_t rows) {
-    return mpt__attn_keys_seen(i0 + rows - 1, a->kv_len, a->causal, a->causal_offset);
-}
-
-/* S = Q_block · Kᵀ for the keys the block sees, into s->p (rows × n). */
-static void mpt__attn_scores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
-                             int64_t rows, int64_t n, const mpt__attn_scratch *s) {
-    const mpt_attention_args *a = j->a;
-    size_t es = mpt_dtype_size(a->dtype);
-    int64_t qk = a->heads * a->key_dim;
-    mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->key_dim,
-                   mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es), qk,
-                   mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es), qk, 1.0f, 0.0f,
-                   s->p, n);
-}
-
-/* Forward, task = (sample, head, query block): O_block = P̃ · V. */
-static void mpt__attn_forward_task(void *arg, int64_t task, int thread) {
-    const mpt__attn_job *j = (const mpt__attn_job *)arg;
-    const mpt_attention_args *a = j->a;
-    const size_t es = mpt_dtype_size(a->dtype);
-    const int64_t bh = task / j->blocks, i0 = task % j->blocks * MPT__ATTN_BLOCK;
-    const int64_t b = bh / a->heads, h = bh % a->heads, v_ld = a->heads * a->value_dim;
-    const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
-    const int64_t n = mpt__attn_block_keys(a, i0, rows);
-    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
-    char *o = (char *)mpt__attn_rows(a, a->o, a->q_len, a->value_dim, b, h, i0, es);
-    int64_t r;
-    mpt__attn_scores(j, b, h, i0, rows, n, &s);
-    mpt__attn_weights(j, b, h, i0, rows, n, &s);
-    if (a->dtype == MPT_FLOAT32) { /* straight into o's rows */
-        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
-                       mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld,
-                       1.0f, 0.0f, (float *)o, v_ld);
-        return;
-    }
-    mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
-                   mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld, 1.0f,
-                   0.0f, s.o, a->value_dim);
-    for (r = 0; r < rows; r++)
-        mpt__convert(j->ctx, a->dtype, o + (size_t)(r * v_ld) * es, MPT_FLOAT32,
-                     s.o + r * a->value_dim, a->value_dim);
-}
-
-/* Zeros the (Tk, width) float32 rows of head h of sample b in g. */
-static void mpt__attn_zero_rows(const mpt_attention_args *a, float *g, int64_t width, int64_t b,
-                                int64_t h) {
-    int64_t t;
-    for (t = 0; t < a->kv_len; t++)
-        memset((float *)mpt__attn_rows(a, g, a->kv_len, width, b, h, t, 4), 0,
-               sizeof(float) * (size_t)width);
-}
-
-/* dS of the block's rows from P (s->p) and dP̃ (s->dp), into s->ds_op in
-   dtype: dP is dP̃ through the forward's mask and scale. */
-static void mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
-                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
-    const mpt_attention_args *a = j->a;
-    const float keep_scale = 1.0f / (1.0f - a->dropout);
-    int64_t r, c;
-    for (r = 0; r < rows; r++) {
-        const float *p = s->p + r * n;
-        float *dp = s->dp + r * n, row_dot;
-        int64_t i = i0 + r;
-        uint64_t e0 = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len);
-        double dot = 0;
-        if (j->dropout)
-            for (c = 0; c < n; c++)
-                dp[c] = p[c] != 0 && mpt__attn_keep(a->dropout_key, j->step, a->dropout,
-                                                    e0 + (uint64_t)c)
-                            ? mpt__fmul_rn(dp[c], keep_scale)
-                            : 0.0f;
-        for (c = 0; c < n; c++) dot += (double)p[c] * dp[c];
-        row_dot = (float)dot;
-        for (c = 0; c < n; c++) dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot);
-    }
-    mpt__convert(j->ctx, a->dtype, s->ds_op, MPT_FLOAT32, s->dp, rows * n);
-}
-
-/* Backward, task = (sample, head): every query block in order, each adding
-   its share to dK and dV. */
-static void mpt__attn_backward_task(void *arg, int64_t task, int thread) {
-    const mpt__attn_job *j = (const mpt__attn_job *)arg;
-    const mpt_attention_args *a = j->a;
-    const size_t es = mpt_dtype_size(a->dtype);
-    const int64_t b = task / a->heads, h = task % a->heads;
-    const int64_t qk = a->heads * a->key_dim, v_ld = a->heads * a->value_dim;
-    const char *k = mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es);
-    const char *v = mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es);
-    float *dk = (float *)mpt__attn_rows(a, a->dk, a->kv_len, a->key_dim, b, h, 0, 4);
-    float *dv = (float *)mpt__attn_rows(a, a->dv, a->kv_len, a->value_dim, b, h, 0, 4);
-    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
-    int64_t i0;
-    mpt__attn_zero_rows(a, a->dk, a->key_dim, b, h);
-    mpt__attn_zero_rows(a, a->dv, a->value_dim, b, h);
-    for (i0 = 0; i0 < a->q_len; i0 += MPT__ATTN_BLOCK) {
-        const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
-        const int64_t n = mpt__attn_block_keys(a, i0, rows);
-        const char *q = mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es);
-        const char *d_o = mpt__attn_rows(a, a->d_o, a->q_len, a->value_dim, b, h, i0, es);
-        float *dq = (float *)mpt__attn_rows(a, a->dq, a->q_len, a->key_dim, b, h, i0, 4);
-        mpt__attn_scores(j, b, h, i0, rows, n, &s);
-        mpt__attn_weights(j, b, h, i0, rows, n, &s);
-        /* dV += P̃ᵀ · dO;  dP̃ = dO · Vᵀ */
-        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->value_dim, rows, s.p_op, n, d_o, v_ld, 1.0f,
-                       1.0f, dv, v_ld);
-        mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->value_dim, d_o, v_ld, v, v_ld, 1.0f,
-                       0.0f, s.dp, n);
-        mpt__attn_dscores(j, b, h, i0, rows, n, &s);
-        /* dQ = scale · dS · K;  dK += scale · dSᵀ · Q */
-        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->key_dim, n, s.ds_op, n, k, qk, a->scale,
-                       0.0f, dq, qk);
-        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->key_dim, rows, s.ds_op, n, q, qk, a->scale,
-                       1.0f, dk, qk);
-    }
-}
-
-static mpt__attn_job mpt__attn_job_for(mpt_context *ctx, const mpt_attention_args *a) {
-    mpt__attn_job j;
-    j.ctx = ctx;
-    j.a = a;
-    j.blocks = (a->q_len + MPT__ATTN_BLOCK - 1) / MPT__ATTN_BLOCK;
-    j.scratch_bytes = mpt__attn_scratch_bytes(a);
-    j.dropout = a->dropout > 0 && a->saved_step;
-    j.step = j.dropout ? (uint64_t)*a->saved_step : 0;
-    return j;
-}
-
-/* mpt_backend.attention_forward on the CPU. */
-static void mpt__cpu_attention_forward(void *impl, const mpt_attention_args *a) {
-    mpt_context *ctx = (mpt_context *)impl;
-    mpt__attn_job j;
-    if (a->dropout > 0 && a->state && a->saved_step) *a->saved_step = (int64_t)a->state->step;
-    j = mpt__attn_job_for(ctx, a);
-    j.dropout = j.dropout && a->state; /* inference: no dropout */
-    mpt__parallel_for(ctx, a->batch * a->heads * j.blocks, mpt__attn_forward_task, &j);
-}
-
-/* mpt_backend.attention_backward on the CPU. */
-static void mpt__cpu_attention_backward(void *impl, const mpt_attention_args *a) {
-    mpt_context *ctx = (mpt_context *)impl;
-    mpt__attn_job j = mpt__attn_job_for(ctx, a);
-    mpt__parallel_for(ctx, a->batch * a->heads, mpt__attn_backward_task, &j);
-}
-
-/* Workspace: each thread's scratch (the same for any batch). */
-static int64_t mpt__cpu_attention_workspace(void *impl, const mpt_attention_args *a) {
-    int64_t one = mpt__attn_scratch_bytes(a), all;
-    if (one < 0 || !mpt__mul_ok(one, ((mpt_context *)impl)->num_threads, &all)) return -1;
-    return all;
-}
-
-/* ---- the layer ------------------------------------------------------------------ */
+   lies the same way and is the output projection's input;
+   the attention itself is a backend's, the CPU's in @impl-attention-cpu. */
 
 /* Its projections, in Keras' order of weights; each a kernel and, unless
    no_bias, a bias after it. */
@@ -10173,6 +9837,337 @@ MPTDEF mpt_node mpt_multi_head_attention_with_key(mpt_model *m, mpt_node query, 
 MPTDEF mpt_node mpt_multi_head_attention(mpt_model *m, mpt_node query, mpt_node value,
                                          const mpt_multi_head_attention_desc *d) {
     return mpt_multi_head_attention_with_key(m, query, value, value, d);
+}
+
+/* =============================================================================
+   @impl-attention-cpu  the CPU's scaled dot-product attention: a block of
+   queries of one sample and head at a time, forward and backward
+   =============================================================================
+
+   The CPU takes one sample and head at a time, as the
+   attention of one head of one sample needs nothing of another's: forward
+   goes over blocks of MPT__ATTN_BLOCK queries, the block's scores
+   (block × Tk, float32) being the only scratch of size Tk, so the
+   Tq × Tk matrix is never held whole. Each product is the CPU GEMM of
+   @impl-gemm on that thread alone (a parallel-for inside a task runs on
+   its thread), the operands in the compute dtype and the sums in float32,
+   as a Dense layer's. Backward computes the block's scores and weights
+   again instead of keeping them (the forward's memory would grow with
+   Tq·Tk per head) and adds the block's share to dK and dV; a task owns a
+   whole (sample, head), so the blocks are added in order and every result
+   is the same whatever the thread count. */
+
+#define MPT__ATTN_BLOCK 64 /* query rows the CPU takes at a time */
+
+/* Defined in @impl-gemm: the CPU GEMM. */
+static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d);
+
+/* One CPU attention pass: its arguments and each thread's scratch. */
+typedef struct mpt__attn_job {
+    mpt_context *ctx;
+    const mpt_attention_args *a;
+    int64_t blocks;        /* query blocks per (sample, head)          */
+    int64_t scratch_bytes; /* one thread's share of the workspace       */
+    uint64_t step;         /* dropout's                                */
+    int dropout;           /* 1: this pass drops weights               */
+    float keep_scale;      /* a kept weight's factor, 1 / (1 - rate)   */
+} mpt__attn_job;
+
+/* A thread's scratch, for a block of up to MPT__ATTN_BLOCK queries against
+   Tk keys: the scores and weights, backward's dP (float32, block × Tk
+   each), the weights and dS as GEMM operands (block × Tk, in dtype), and
+   the forward's output rows (block × value_dim, float32). */
+typedef struct mpt__attn_scratch {
+    float *p, *dp;
+    void *p_op, *ds_op;
+    float *o;
+} mpt__attn_scratch;
+
+static int64_t mpt__attn_scratch_bytes(const mpt_attention_args *a) {
+    int64_t block = MPT__MIN(MPT__ATTN_BLOCK, a->q_len), scores, rows, bytes;
+    if (!mpt__mul_ok(block, a->kv_len, &scores) || !mpt__mul_ok(block, a->value_dim, &rows) ||
+        !mpt__mul_ok(scores, 16, &bytes) || !mpt__add_ok(bytes, 4 * rows, &bytes))
+        return -1;
+    return mpt__ws_bytes(bytes, 5);
+}
+
+static mpt__attn_scratch mpt__attn_scratch_for(const mpt__attn_job *j, int thread) {
+    const int64_t scores = MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->kv_len;
+    mpt__ws w;
+    mpt__attn_scratch s;
+    w.next = (unsigned char *)j->a->workspace + (size_t)(thread * j->scratch_bytes);
+    s.p = (float *)mpt__ws_take(&w, 4 * scores);
+    s.dp = (float *)mpt__ws_take(&w, 4 * scores);
+    s.p_op = mpt__ws_take(&w, 4 * scores);
+    s.ds_op = mpt__ws_take(&w, 4 * scores);
+    s.o = (float *)mpt__ws_take(&w, 4 * MPT__MIN(MPT__ATTN_BLOCK, j->a->q_len) * j->a->value_dim);
+    return s;
+}
+
+/* Head h of sample b: where its rows of q (or k, v, o) start, and the
+   distance between two positions' rows (all heads lie between). */
+static const char *mpt__attn_rows(const mpt_attention_args *a, const void *base, int64_t len,
+                                  int64_t width, int64_t b, int64_t h, int64_t position,
+                                  size_t elem) {
+    return (const char *)base + (size_t)(((b * len + position) * a->heads + h) * width) * elem;
+}
+
+/* The product c (m × n) = alpha · op(x) · op(y) + beta · c of row-major
+   operands in dtype (float32 for c), on this thread. */
+static void mpt__attn_gemm(mpt_context *ctx, mpt_dtype dtype, int trans_a, int trans_b,
+                           int64_t m, int64_t n, int64_t k, const void *x, int64_t ldx,
+                           const void *y, int64_t ldy, float alpha, float beta, float *c,
+                           int64_t ldc) {
+    mpt_gemm_desc g = mpt__gemm_desc_rows(dtype, trans_a, trans_b, m, n, k, x, ldx, y, ldy, c, ldc);
+    g.alpha = alpha;
+    g.beta = beta;
+    mpt__gemm(ctx, &g);
+}
+
+#if MPT__X86
+MPT__AVX512_QUIET_BEGIN
+/* Defined below, in @impl-activations. */
+static MPT__TARGET_AVX512 MPT__ALWAYS_INLINE __m512 mpt__exp_avx512(__m512 v);
+
+/* mpt__attn_softmax_row 16 keys at a time: the same steps (the scores
+   scaled, the row's largest, Σ exp(s − max) in double, each weight
+   exp(s − max)·(1/Σ)), with mpt__exp_avx512 for expf, evaluated once a
+   key and kept in p, and the double sum taken in 16 lanes, then added
+   across. So the weights differ from the scalar rule's (@backend-shared-
+   training's mpt__attn_weight, which CUDA runs) in the last bits: each
+   is within 3.6e-7 relative of the softmax in double (test_attention's
+   test_softmax_row_vector holds it to 5e-7). NaN scores give NaN weights,
+   as the scalar rule's; -inf ones (s − max below -104) give 0. */
+MPT__TARGET_AVX512 static void mpt__attn_softmax_row_avx512(float *p, int64_t seen, int64_t n,
+                                                           float scale) {
+    const __m512 vscale = _mm512_set1_ps(scale), floor = _mm512_set1_ps(-104.0f);
+    __m512 vmax = _mm512_set1_ps(-INFINITY), vinv;
+    __m512d sum0 = _mm512_setzero_pd(), sum1 = _mm512_setzero_pd();
+    int64_t c;
+    for (c = 0; c < seen; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + c), vscale);
+        _mm512_mask_storeu_ps(p + c, m, v);
+        vmax = _mm512_mask_max_ps(vmax, m, v, vmax); /* a NaN score is passed over */
+    }
+    vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    for (c = 0; c < seen; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, seen - c));
+        const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + c), vmax);
+        const __m512 e = _mm512_maskz_mov_ps(m, mpt__exp_avx512(_mm512_max_ps(floor, d)));
+        _mm512_mask_storeu_ps(p + c, m, e);
+        sum0 = _mm512_add_pd(sum0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        sum1 = _mm512_add_pd(sum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
+                                      _mm512_castps_pd(e), 1))));
+    }
+    vinv = _mm512_set1_ps((float)(1.0 / _mm512_reduce_add_pd(_mm512_add_pd(sum0, sum1))));
+    for (c = 0; c < n; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - c));
+        const __mmask16 in = c < seen ? mpt__gemm_mask16((int)MPT__MIN(16, seen - c)) : 0;
+        _mm512_mask_storeu_ps(p + c, m,
+                              _mm512_maskz_mul_ps(in, _mm512_maskz_loadu_ps(in, p + c), vinv));
+    }
+}
+MPT__AVX512_QUIET_END
+#endif
+
+/* A row of scores as weights: the first `seen` of p's n scaled and put
+   through the softmax (float32, Σ in double), the rest zero. cpu: the
+   context's features (the AVX-512 form above where it has them). */
+static void mpt__attn_softmax_row(int cpu, float *p, int64_t seen, int64_t n, float scale) {
+    float row_max = -INFINITY, inv_sum;
+    double sum = 0;
+    int64_t c;
+#if MPT__X86
+    if (cpu & MPT_CPU_AVX512) {
+        mpt__attn_softmax_row_avx512(p, seen, n, scale);
+        return;
+    }
+#else
+    (void)cpu;
+#endif
+    for (c = 0; c < seen; c++) {
+        p[c] = mpt__fmul_rn(p[c], scale);
+        row_max = p[c] > row_max ? p[c] : row_max;
+    }
+    for (c = 0; c < seen; c++) sum += expf(mpt__fsub_rn(p[c], row_max));
+    inv_sum = (float)(1.0 / sum);
+    for (c = 0; c < n; c++) p[c] = c < seen ? mpt__attn_weight(p[c], row_max, inv_sum) : 0.0f;
+}
+
+/* Dropout of the weight (or its gradient) x at key c of query row i of
+   sample b, head h: 0 where the pass's stream drops that weight, else x
+   scaled by 1 / (1 - rate). Forward and backward drop the same ones. */
+static float mpt__attn_drop(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i, int64_t c,
+                            float x) {
+    const mpt_attention_args *a = j->a;
+    uint64_t e = (uint64_t)(((b * a->heads + h) * a->q_len + i) * a->kv_len + c);
+    return mpt__attn_keep(a->dropout_key, j->step, a->dropout, e) ? mpt__fmul_rn(x, j->keep_scale)
+                                                                  : 0.0f;
+}
+
+/* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
+   stride n) holds the raw products Q·Kᵀ and becomes P; s.p_op gets P̃
+   (dropout applied) in dtype, zero past each row's last key seen. */
+static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        float *p = s->p + r * n;
+        int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
+        mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
+        for (c = 0; c < n; c++) /* the block's P̃, narrowed below */
+            s->dp[r * n + c] = j->dropout && c < seen ? mpt__attn_drop(j, b, h, i, c, p[c]) : p[c];
+    }
+    mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, s->dp, rows * n);
+}
+
+/* The keys the block's rows see between them: up to the last row's. */
+static int64_t mpt__attn_block_keys(const mpt_attention_args *a, int64_t i0, int64_t rows) {
+    return mpt__attn_keys_seen(i0 + rows - 1, a->kv_len, a->causal, a->causal_offset);
+}
+
+/* S = Q_block · Kᵀ for the keys the block sees, into s->p (rows × n). */
+static void mpt__attn_scores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                             int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    size_t es = mpt_dtype_size(a->dtype);
+    int64_t qk = a->heads * a->key_dim;
+    mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->key_dim,
+                   mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es), qk,
+                   mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es), qk, 1.0f, 0.0f,
+                   s->p, n);
+}
+
+/* Forward, task = (sample, head, query block): O_block = P̃ · V. */
+static void mpt__attn_forward_task(void *arg, int64_t task, int thread) {
+    const mpt__attn_job *j = (const mpt__attn_job *)arg;
+    const mpt_attention_args *a = j->a;
+    const size_t es = mpt_dtype_size(a->dtype);
+    const int64_t bh = task / j->blocks, i0 = task % j->blocks * MPT__ATTN_BLOCK;
+    const int64_t b = bh / a->heads, h = bh % a->heads, v_ld = a->heads * a->value_dim;
+    const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
+    const int64_t n = mpt__attn_block_keys(a, i0, rows);
+    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
+    char *o = (char *)mpt__attn_rows(a, a->o, a->q_len, a->value_dim, b, h, i0, es);
+    int64_t r;
+    mpt__attn_scores(j, b, h, i0, rows, n, &s);
+    mpt__attn_weights(j, b, h, i0, rows, n, &s);
+    if (a->dtype == MPT_FLOAT32) { /* straight into o's rows */
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
+                       mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld,
+                       1.0f, 0.0f, (float *)o, v_ld);
+        return;
+    }
+    mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
+                   mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld, 1.0f,
+                   0.0f, s.o, a->value_dim);
+    for (r = 0; r < rows; r++)
+        mpt__convert(j->ctx, a->dtype, o + (size_t)(r * v_ld) * es, MPT_FLOAT32,
+                     s.o + r * a->value_dim, a->value_dim);
+}
+
+/* Zeros the (Tk, width) float32 rows of head h of sample b in g. */
+static void mpt__attn_zero_rows(const mpt_attention_args *a, float *g, int64_t width, int64_t b,
+                                int64_t h) {
+    int64_t t;
+    for (t = 0; t < a->kv_len; t++)
+        memset((float *)mpt__attn_rows(a, g, a->kv_len, width, b, h, t, 4), 0,
+               sizeof(float) * (size_t)width);
+}
+
+/* dS of the block's rows from P (s->p) and dP̃ (s->dp), into s->ds_op in
+   dtype: dP is dP̃ through the forward's mask and scale. */
+static void mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        const float *p = s->p + r * n;
+        float *dp = s->dp + r * n, row_dot;
+        double dot = 0;
+        if (j->dropout)
+            for (c = 0; c < n; c++)
+                dp[c] = p[c] != 0 ? mpt__attn_drop(j, b, h, i0 + r, c, dp[c]) : 0.0f;
+        for (c = 0; c < n; c++) dot += (double)p[c] * dp[c];
+        row_dot = (float)dot;
+        for (c = 0; c < n; c++) dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot);
+    }
+    mpt__convert(j->ctx, j->a->dtype, s->ds_op, MPT_FLOAT32, s->dp, rows * n);
+}
+
+/* Backward, task = (sample, head): every query block in order, each adding
+   its share to dK and dV. */
+static void mpt__attn_backward_task(void *arg, int64_t task, int thread) {
+    const mpt__attn_job *j = (const mpt__attn_job *)arg;
+    const mpt_attention_args *a = j->a;
+    const size_t es = mpt_dtype_size(a->dtype);
+    const int64_t b = task / a->heads, h = task % a->heads;
+    const int64_t qk = a->heads * a->key_dim, v_ld = a->heads * a->value_dim;
+    const char *k = mpt__attn_rows(a, a->k, a->kv_len, a->key_dim, b, h, 0, es);
+    const char *v = mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es);
+    float *dk = (float *)mpt__attn_rows(a, a->dk, a->kv_len, a->key_dim, b, h, 0, 4);
+    float *dv = (float *)mpt__attn_rows(a, a->dv, a->kv_len, a->value_dim, b, h, 0, 4);
+    mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
+    int64_t i0;
+    mpt__attn_zero_rows(a, a->dk, a->key_dim, b, h);
+    mpt__attn_zero_rows(a, a->dv, a->value_dim, b, h);
+    for (i0 = 0; i0 < a->q_len; i0 += MPT__ATTN_BLOCK) {
+        const int64_t rows = MPT__MIN(MPT__ATTN_BLOCK, a->q_len - i0);
+        const int64_t n = mpt__attn_block_keys(a, i0, rows);
+        const char *q = mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es);
+        const char *d_o = mpt__attn_rows(a, a->d_o, a->q_len, a->value_dim, b, h, i0, es);
+        float *dq = (float *)mpt__attn_rows(a, a->dq, a->q_len, a->key_dim, b, h, i0, 4);
+        mpt__attn_scores(j, b, h, i0, rows, n, &s);
+        mpt__attn_weights(j, b, h, i0, rows, n, &s);
+        /* dV += P̃ᵀ · dO;  dP̃ = dO · Vᵀ */
+        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->value_dim, rows, s.p_op, n, d_o, v_ld, 1.0f,
+                       1.0f, dv, v_ld);
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->value_dim, d_o, v_ld, v, v_ld, 1.0f,
+                       0.0f, s.dp, n);
+        mpt__attn_dscores(j, b, h, i0, rows, n, &s);
+        /* dQ = scale · dS · K;  dK += scale · dSᵀ · Q */
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->key_dim, n, s.ds_op, n, k, qk, a->scale,
+                       0.0f, dq, qk);
+        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->key_dim, rows, s.ds_op, n, q, qk, a->scale,
+                       1.0f, dk, qk);
+    }
+}
+
+static mpt__attn_job mpt__attn_job_for(mpt_context *ctx, const mpt_attention_args *a) {
+    mpt__attn_job j;
+    j.ctx = ctx;
+    j.a = a;
+    j.blocks = (a->q_len + MPT__ATTN_BLOCK - 1) / MPT__ATTN_BLOCK;
+    j.scratch_bytes = mpt__attn_scratch_bytes(a);
+    j.dropout = a->dropout > 0 && a->saved_step;
+    j.step = j.dropout ? (uint64_t)*a->saved_step : 0;
+    j.keep_scale = 1.0f / (1.0f - a->dropout);
+    return j;
+}
+
+/* mpt_backend.attention_forward on the CPU. */
+static void mpt__cpu_attention_forward(void *impl, const mpt_attention_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__attn_job j;
+    if (a->dropout > 0 && a->state && a->saved_step) *a->saved_step = (int64_t)a->state->step;
+    j = mpt__attn_job_for(ctx, a);
+    j.dropout = j.dropout && a->state; /* inference: no dropout */
+    mpt__parallel_for(ctx, a->batch * a->heads * j.blocks, mpt__attn_forward_task, &j);
+}
+
+/* mpt_backend.attention_backward on the CPU. */
+static void mpt__cpu_attention_backward(void *impl, const mpt_attention_args *a) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__attn_job j = mpt__attn_job_for(ctx, a);
+    mpt__parallel_for(ctx, a->batch * a->heads, mpt__attn_backward_task, &j);
+}
+
+/* Workspace: each thread's scratch (the same for any batch). */
+static int64_t mpt__cpu_attention_workspace(void *impl, const mpt_attention_args *a) {
+    int64_t one = mpt__attn_scratch_bytes(a), all;
+    if (one < 0 || !mpt__mul_ok(one, ((mpt_context *)impl)->num_threads, &all)) return -1;
+    return all;
 }
 
 /* =============================================================================
@@ -13180,23 +13175,28 @@ static MPT__TARGET_AVX2 double mpt__sum_squares_avx2(const float *g, int64_t n) 
 
 typedef double (*mpt__sum_squares_fn)(const float *g, int64_t n);
 
+/* A sum of squares over every trainable gradient's elements, one range a
+   task: span adds a span's squares to the task's running sum (an
+   mpt__norm_acc). */
 typedef struct mpt__norm_job {
     const mpt_update_args *u;
     mpt__ranges r;
-    mpt__sum_squares_fn sum_squares;
-    double partial[MPT__OPT_TASKS]; /* (n_tasks) each range's sum of g² */
+    mpt__span_fn span;
+    mpt__sum_squares_fn sum_squares; /* the gradients' own squares         */
+    float unscale, steps;            /* the cycle's mean's (mpt__accum_mean) */
+    double partial[MPT__OPT_TASKS];  /* (n_tasks) each range's sum          */
 } mpt__norm_job;
 
 /* One task's running sum over the spans of its range. */
 typedef struct mpt__norm_acc {
-    mpt__sum_squares_fn sum_squares;
+    const mpt__norm_job *j;
     double sum;
 } mpt__norm_acc;
 
 static void mpt__norm_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
                            int64_t end) {
     mpt__norm_acc *a = (mpt__norm_acc *)arg;
-    a->sum += a->sum_squares(u->grad[k] + begin, end - begin);
+    a->sum += a->j->sum_squares(u->grad[k] + begin, end - begin);
 }
 
 static void mpt__norm_task(void *arg, int64_t task, int thread) {
@@ -13204,50 +13204,45 @@ static void mpt__norm_task(void *arg, int64_t task, int thread) {
     int64_t begin = task * j->r.range;
     mpt__norm_acc a;
     (void)thread;
-    a.sum_squares = j->sum_squares;
+    a.j = j;
     a.sum = 0;
-    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__norm_span, &a);
+    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), j->span, &a);
     j->partial[task] = a.sum;
 }
 
+/* The job's sum over u's gradients in the ranges r: the ranges' sums added
+   in range order, so the same bits for any thread count. */
+static double mpt__norm_sum(mpt_context *ctx, const mpt_update_args *u, const mpt__ranges *r,
+                            mpt__norm_job *j) {
+    double sum = 0;
+    int64_t t;
+    j->u = u;
+    j->r = *r;
+    mpt__parallel_for(ctx, j->r.n_tasks, mpt__norm_task, j);
+    for (t = 0; t < j->r.n_tasks; t++) sum += j->partial[t];
+    return sum;
+}
+
 /* Σ g² over every trainable gradient as it stands (loss scale included), in
-   double, the ranges' sums added in range order: inf or NaN exactly when
-   some gradient is, and the same bits for any thread count. */
+   double: inf or NaN exactly when some gradient is. */
 static double mpt__gradient_sum_squares(mpt_context *ctx, const mpt_update_args *u,
                                         const mpt__ranges *r) {
     mpt__norm_job j;
-    double sum = 0;
-    int64_t t;
-    j.u = u;
-    j.r = *r;
+    j.span = mpt__norm_span;
     j.sum_squares = mpt__sum_squares;
 #if MPT__X86
     if (ctx->cpu & MPT_CPU_AVX2) j.sum_squares = mpt__sum_squares_avx2;
 #endif
-    mpt__parallel_for(ctx, r->n_tasks, mpt__norm_task, &j);
-    for (t = 0; t < r->n_tasks; t++) sum += j.partial[t];
-    return sum;
+    return mpt__norm_sum(ctx, u, r, &j);
 }
 
 /* Gradient accumulation's applying step: Σ over every element of the
    cycle's mean gradient squared (mpt__accum_mean, unscaled), to clip the
    mean as Keras clips it; the ranges' sums added in range order, as the
    gradients' own. */
-typedef struct mpt__mean_norm_job {
-    const mpt_update_args *u;
-    mpt__ranges r;
-    float unscale, steps;
-    double partial[MPT__OPT_TASKS]; /* (n_tasks) each range's sum */
-} mpt__mean_norm_job;
-
-typedef struct mpt__mean_norm_acc {
-    const mpt__mean_norm_job *j;
-    double sum;
-} mpt__mean_norm_acc;
-
 static void mpt__mean_norm_span(void *arg, const mpt_update_args *u, int k, int64_t begin,
                                 int64_t end) {
-    mpt__mean_norm_acc *a = (mpt__mean_norm_acc *)arg;
+    mpt__norm_acc *a = (mpt__norm_acc *)arg;
     const float *g = u->grad[k], *sum = u->accum[k];
     int64_t i;
     for (i = begin; i < end; i++) {
@@ -13256,29 +13251,13 @@ static void mpt__mean_norm_span(void *arg, const mpt_update_args *u, int k, int6
     }
 }
 
-static void mpt__mean_norm_task(void *arg, int64_t task, int thread) {
-    mpt__mean_norm_job *j = (mpt__mean_norm_job *)arg;
-    int64_t begin = task * j->r.range;
-    mpt__mean_norm_acc a;
-    (void)thread;
-    a.j = j;
-    a.sum = 0;
-    mpt__for_spans(j->u, begin, MPT__MIN(begin + j->r.range, j->r.total), mpt__mean_norm_span, &a);
-    j->partial[task] = a.sum;
-}
-
 static double mpt__mean_sum_squares(mpt_context *ctx, const mpt_update_args *u,
                                     const mpt__ranges *r) {
-    mpt__mean_norm_job j;
-    double sum = 0;
-    int64_t t;
-    j.u = u;
-    j.r = *r;
+    mpt__norm_job j;
+    j.span = mpt__mean_norm_span;
     j.unscale = mpt__accum_unscale(u->state);
     j.steps = (float)mpt__accum_steps(&u->optimizer);
-    mpt__parallel_for(ctx, r->n_tasks, mpt__mean_norm_task, &j);
-    for (t = 0; t < r->n_tasks; t++) sum += j.partial[t];
-    return sum;
+    return mpt__norm_sum(ctx, u, r, &j);
 }
 
 /* The CPU backend's first pass (mpt_backend.grad_stats); with gradient
@@ -14318,36 +14297,22 @@ static int mpt__label_rank(const mpt_tensor *y) {
     return y->dtype == MPT_INT32 && mpt_tensor_count(y) == y->shape[0] ? 0 : y->rank - 1;
 }
 
-/* The labels of outputs 1.. (desc->labels[1..]), borrowed or copied. */
-static mpt_status mpt__dataset_take_labels(mpt_context *ctx, mpt_dataset *d,
-                                           const mpt_dataset_desc *desc) {
+/* Tensors 1.. of a list (desc->inputs or desc->labels) into d's slots 1..
+   (d->in or d->lab), borrowed or copied; *taken counts the slots taken,
+   which release frees. A label's sample shape is mpt__label_rank's. */
+static mpt_status mpt__dataset_take_list(mpt_context *ctx, const mpt_tensor *const *list,
+                                         int count, int labels, int copy,
+                                         mpt__dataset_input *slots, int *taken) {
     int k;
-    for (k = 1; k < desc->label_count; k++) {
-        const mpt_tensor *t = desc->labels[k];
-        mpt__dataset_input *lab = &d->lab[k];
-        lab->dtype = t->dtype;
-        lab->rank = mpt__label_rank(t);
-        memcpy(lab->shape, t->shape + 1, sizeof(int64_t) * (size_t)lab->rank);
-        lab->count = mpt__shape_count(lab->rank, lab->shape);
-        d->n_labels = k + 1; /* what release frees */
-        MPT__CHECK(mpt__dataset_take(ctx, t, desc->copy, &lab->data, &lab->owned));
-    }
-    return MPT_OK;
-}
-
-/* The added inputs' tensors (desc->inputs[1..]), borrowed or copied. */
-static mpt_status mpt__dataset_take_inputs(mpt_context *ctx, mpt_dataset *d,
-                                           const mpt_dataset_desc *desc) {
-    int k;
-    for (k = 1; k < desc->input_count; k++) {
-        const mpt_tensor *t = desc->inputs[k];
-        mpt__dataset_input *in = &d->in[k];
+    for (k = 1; k < count; k++) {
+        const mpt_tensor *t = list[k];
+        mpt__dataset_input *in = &slots[k];
         in->dtype = t->dtype;
-        in->rank = t->rank - 1;
+        in->rank = labels ? mpt__label_rank(t) : t->rank - 1;
         memcpy(in->shape, t->shape + 1, sizeof(int64_t) * (size_t)in->rank);
         in->count = mpt__shape_count(in->rank, in->shape);
-        d->n_inputs = k + 1; /* what release frees */
-        MPT__CHECK(mpt__dataset_take(ctx, t, desc->copy, &in->data, &in->owned));
+        *taken = k + 1;
+        MPT__CHECK(mpt__dataset_take(ctx, t, copy, &in->data, &in->owned));
     }
     return MPT_OK;
 }
@@ -14384,8 +14349,12 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
         s = mpt__dataset_take(ctx, desc->y, desc->copy, &d->y, &d->owned_y);
     if (s == MPT_OK && desc->sample_weight)
         s = mpt__dataset_take_weights(ctx, d, desc->sample_weight);
-    if (s == MPT_OK && desc->inputs) s = mpt__dataset_take_inputs(ctx, d, desc);
-    if (s == MPT_OK && desc->labels) s = mpt__dataset_take_labels(ctx, d, desc);
+    if (s == MPT_OK && desc->inputs)
+        s = mpt__dataset_take_list(ctx, desc->inputs, desc->input_count, 0, desc->copy, d->in,
+                                   &d->n_inputs);
+    if (s == MPT_OK && desc->labels)
+        s = mpt__dataset_take_list(ctx, desc->labels, desc->label_count, 1, desc->copy, d->lab,
+                                   &d->n_labels);
     if (s != MPT_OK) {
         mpt_dataset_destroy(d);
         return s;
@@ -26365,19 +26334,41 @@ static mpt__convert_fn mpt__convert_kernel(int cpu, mpt_dtype dst_dtype, mpt_dty
 #define MPT__CONVERT_CHUNK ((int64_t)1 << 16)
 #define MPT__CONVERT_PARALLEL_MIN ((int64_t)1 << 20)
 
+/* An elementwise pass over n elements on ctx's pool, in those chunks:
+   fn(arg, begin, count) for each, one task a chunk. Other elementwise
+   passes (activations, ReLU's gradient) split the same way. */
+typedef void (*mpt__chunk_fn)(void *arg, int64_t begin, int64_t count);
+
+typedef struct mpt__chunks_job {
+    mpt__chunk_fn fn;
+    void *arg;
+    int64_t n;
+} mpt__chunks_job;
+
+static void mpt__chunks_task(void *arg, int64_t task, int thread) {
+    const mpt__chunks_job *j = (const mpt__chunks_job *)arg;
+    int64_t begin = task * MPT__CONVERT_CHUNK;
+    (void)thread;
+    j->fn(j->arg, begin, MPT__MIN(MPT__CONVERT_CHUNK, j->n - begin));
+}
+
+static void mpt__parallel_chunks(mpt_context *ctx, int64_t n, mpt__chunk_fn fn, void *arg) {
+    mpt__chunks_job j;
+    j.fn = fn;
+    j.arg = arg;
+    j.n = n;
+    mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK, mpt__chunks_task, &j);
+}
+
 typedef struct mpt__convert_job {
     mpt__convert_fn fn;
     mpt_dtype dst_dtype, src_dtype;
     char *dst;
     const char *src;
-    int64_t n;
 } mpt__convert_job;
 
-static void mpt__convert_task(void *arg, int64_t task, int thread) {
+static void mpt__convert_chunk(void *arg, int64_t begin, int64_t count) {
     const mpt__convert_job *job = (const mpt__convert_job *)arg;
-    int64_t begin = task * MPT__CONVERT_CHUNK;
-    int64_t count = MPT__MIN(MPT__CONVERT_CHUNK, job->n - begin);
-    (void)thread;
     job->fn(job->dst_dtype, job->dst + (size_t)begin * mpt_dtype_size(job->dst_dtype),
             job->src_dtype, job->src + (size_t)begin * mpt_dtype_size(job->src_dtype), count);
 }
@@ -26399,13 +26390,11 @@ static void mpt__convert(const mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
     job.src_dtype = src_dtype;
     job.dst = (char *)dst;
     job.src = (const char *)src;
-    job.n = n;
     if (ctx && n >= MPT__CONVERT_PARALLEL_MIN) {
         /* The pool is the only part of the context this touches. Called
            from inside a task (a layer's own parallel-for), this runs
            inline on that thread. */
-        mpt__parallel_for((mpt_context *)ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
-                          mpt__convert_task, &job);
+        mpt__parallel_chunks((mpt_context *)ctx, n, mpt__convert_chunk, &job);
         return;
     }
     job.fn(dst_dtype, dst, src_dtype, src, n);
@@ -26439,12 +26428,7 @@ MPTDEF mpt_status mpt_convert(mpt_context *ctx, mpt_dtype dst_dtype, void *dst,
    float32, which is exact one way and rounds once the other, so it equals
    the scalar composition. One generic loop is forced inline into a kernel
    per dtype pair, so the dtype switches fold away at compile time. */
-#if defined(__GNUC__) && !defined(__clang__)
-/* GCC 12's AVX-512 headers start "undefined" vectors as `__Y = __Y`, which
-   g++ reports as maybe-uninitialized once they are inlined here. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 
 /* bfloat16 rounding in integer arithmetic, @backend-shared's
    mpt__f32_bits_to_bf16 lane by lane. (vcvtneps2bf16 is not used: it flushes float32 subnormal inputs to zero,
@@ -26597,9 +26581,7 @@ static MPT__TARGET_AVX512 void mpt__convert_avx512(mpt_dtype dst_dtype, void *ds
     MPT__CONVERT_PAIRS(mpt__avx512_loop, dst_dtype, dst, src_dtype, src, n);
 }
 #undef MPT__CONVERT_PAIRS
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif /* MPT__X86 */
 
 /* =============================================================================
@@ -26678,14 +26660,7 @@ static void mpt__activation_backward(mpt_activation act, const float *z, const f
 }
 
 #if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers (the
-   plain forms' pass-through, _mm512_reduce_*'s) as uninitialized once
-   inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 /* ---- GELU 16 lanes at a time ------------------------------------------------
    The exact GELU x·Φ(x) and its derivative Φ(x) + x·φ(x) in AVX-512, for
    the layers' passes (mpt__activation_forward_cpu, mpt__activation_grad).
@@ -26811,9 +26786,7 @@ MPT__TARGET_AVX512 static void mpt__gelu_backward_avx512(mpt_dtype dtype, const 
     else if (dtype == MPT_FLOAT16) mpt__gelu_backward_loop(MPT_FLOAT16, z, dy, dz, n);
     else mpt__gelu_backward_loop(MPT_FLOAT32, z, dy, dz, n);
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif
 
 /* y = act(x) in place on n floats, as mpt__activation_forward, with the
@@ -27849,15 +27822,11 @@ typedef struct mpt__relu_half_job {
     mpt_dtype dtype;
     const mpt_half *y, *dy;
     float *dz;
-    int64_t n;
 } mpt__relu_half_job;
 
-static void mpt__relu_half_task(void *arg, int64_t task, int thread) {
+static void mpt__relu_half_chunk(void *arg, int64_t i, int64_t count) {
     const mpt__relu_half_job *j = (const mpt__relu_half_job *)arg;
-    const int64_t i = task * MPT__CONVERT_CHUNK;
-    (void)thread;
-    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i,
-                                   MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+    mpt__relu_backward_half_avx512(j->dtype, j->y + i, j->dy + i, j->dz + i, count);
 }
 
 /* Split as mpt__convert splits: each element on its own, so any split
@@ -27869,12 +27838,10 @@ static void mpt__relu_backward_half(mpt_context *ctx, mpt_dtype dtype, const voi
     j.y = (const mpt_half *)y;
     j.dy = (const mpt_half *)dy;
     j.dz = dz;
-    j.n = n;
     if (n < MPT__CONVERT_PARALLEL_MIN)
         mpt__relu_backward_half_avx512(dtype, y, dy, dz, n);
     else
-        mpt__parallel_for(ctx, (n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
-                          mpt__relu_half_task, &j);
+        mpt__parallel_chunks(ctx, n, mpt__relu_half_chunk, &j);
 }
 #endif
 
@@ -39459,14 +39426,11 @@ typedef struct mpt__activation_job {
     int cpu;
     mpt_activation act;
     float *x;
-    int64_t n;
 } mpt__activation_job;
 
-static void mpt__activation_task(void *arg, int64_t task, int thread) {
+static void mpt__activation_chunk(void *arg, int64_t i, int64_t count) {
     const mpt__activation_job *j = (const mpt__activation_job *)arg;
-    const int64_t i = task * MPT__CONVERT_CHUNK;
-    (void)thread;
-    mpt__activation_forward_cpu(j->cpu, j->act, j->x + i, MPT__MIN(MPT__CONVERT_CHUNK, j->n - i));
+    mpt__activation_forward_cpu(j->cpu, j->act, j->x + i, count);
 }
 
 /* Elementwise activations over the pool in mpt__convert's chunks (each
@@ -39475,6 +39439,7 @@ static void mpt__activation_task(void *arg, int64_t task, int thread) {
 static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_t rows,
                                 int64_t cols) {
     mpt_context *ctx = (mpt_context *)impl;
+    const int64_t n = rows * cols;
     mpt__activation_job j;
     if (act == MPT_ACT_SOFTMAX) {
         mpt__softmax_rows(x, rows, cols);
@@ -39483,12 +39448,10 @@ static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_
     j.cpu = ctx->cpu;
     j.act = act;
     j.x = x;
-    j.n = rows * cols;
-    if (j.n < 2 * MPT__CONVERT_CHUNK || act == MPT_ACT_NONE || act == MPT_ACT_RELU)
-        mpt__activation_forward_cpu(j.cpu, act, x, j.n);
+    if (n < 2 * MPT__CONVERT_CHUNK || act == MPT_ACT_NONE || act == MPT_ACT_RELU)
+        mpt__activation_forward_cpu(j.cpu, act, x, n);
     else
-        mpt__parallel_for(ctx, (j.n + MPT__CONVERT_CHUNK - 1) / MPT__CONVERT_CHUNK,
-                          mpt__activation_task, &j);
+        mpt__parallel_chunks(ctx, n, mpt__activation_chunk, &j);
 }
 
 /* The activation's gradient and the bias gradient's column sums run in

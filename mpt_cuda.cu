@@ -3633,7 +3633,7 @@ static void mpt__cuda_layernorm_backward(void *impl, const mpt_layernorm_args *a
 /* ---- MultiHeadAttention's scaled dot-product attention ----------------------
 
    mpt_attention_args (mpt.h) for every sample b and head h at once; the
-   CPU's @impl-attention is the reference. Three kernels of 128 threads,
+   CPU's @impl-attention-cpu is the reference. Three kernels of 128 threads,
    no atomics: every sum runs in an order fixed by the shapes alone, so two
    runs give the same bits. Rows are numbered r = (b·H + h)·Tq + i (query
    rows) and keys r = (b·H + h)·Tk + j, as dropout numbers the weights.

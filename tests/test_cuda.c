@@ -1445,7 +1445,7 @@ static attn_result attn_run(backend *b, const attn_case *c, mpt_dtype dt, uint64
     return r;
 }
 
-/* CUDA against the CPU (@impl-attention), each dtype: causal or not, one
+/* CUDA against the CPU (@impl-attention-cpu), each dtype: causal or not, one
    query and key, Tq = 130, Tq != Tk with causal_offset = Tk − Tq, key_dim
    and value_dim past the kernels' 128 threads, and keys past the 4096 that
    mpt_cuda.cu keeps in shared memory (then its rows go to the workspace).

@@ -2365,9 +2365,20 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    Dense or Conv2D's ReLU (or an Activation ReLU right after it, past a
    folded BatchNormalization) stays fused into the product; its other
    activations become a layer of their own (TFLite's LOGISTIC, TANH, GELU,
-   SOFTMAX). A layer that has no quantized form, or a BatchNormalization
-   that does not follow a Dense or Conv2D without activation, is refused
-   with MPT_ERR_UNSUPPORTED naming it. Every step is deterministic: the
+   SOFTMAX). A BatchNormalization with nothing to fold into (after an
+   activation, pooling or a merge, on the input, or after a layer that
+   others read too) becomes, as TFLite's converter writes it, a MUL by its
+   scale s then an ADD of its shift beta − moving_mean·s, each a constant
+   per channel over the last axis (mpt_quantized_layer's constants; s is
+   the float model's own, gamma·(float)(1/sqrt(moving_variance + epsilon)),
+   the shift rounded once from double): float32 in the float16 and
+   dynamic-range models; in full integer TFLite's int8 MUL and ADD (below)
+   with the constant int8 per tensor (symmetric, scale max|c|/127, as the
+   converter quantizes a constant operand), the MUL's output
+   ("<layer>/scaled") calibrated as any tensor, a ReLU right after fused
+   into the ADD. A layer that has no quantized form is refused with
+   MPT_ERR_UNSUPPORTED naming it (as is a BatchNormalization statistic that
+   is not finite, MPT_ERR_NUMERIC). Every step is deterministic: the
    results are the same bit for bit on every thread count.
    A graph (@layers' functional form: one input, one output; several of
    either are refused) quantizes too: each operation reads the operations
@@ -2626,7 +2637,9 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    activation other than ReLU, unless it is the model's final softmax
    (use activation none and an Activation layer), a merge of more than
    two inputs or an Average (the int8 model's partial sums are no layer's
-   output), and several inputs or outputs.
+   output), a BatchNormalization that does not fold (the output of its
+   MUL, before the ADD, is no layer's either: post-training quantization
+   takes it), and several inputs or outputs.
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
@@ -2675,7 +2688,9 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
        BatchNormalization     folded into the Dense or Conv2D before it when
                               nothing comes between them (its activation
                               none) and nothing else reads that layer's
-                              output; else a per-channel MUL and ADD (Mul, Add)
+                              output; else a per-channel MUL and ADD (Mul, Add;
+                              quantized: the same, its constants float32, or
+                              int8 per tensor in full integer)
        Dropout                nothing (inference)
        ZeroPadding2D          PAD                        Pad
        Add, Subtract          ADD, SUB (two at a time)   Sum, Sub
@@ -2710,7 +2725,10 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    Each merge's results are mpt_model_quantized_invoke's to within one
    step in both runtimes (tests/test_export.c's export_one_op_*); through
    a whole graph those steps pass on further than along a chain (an ADD of
-   two inputs a step off each is two off).
+   two inputs a step off each is two off). A BatchNormalization that does
+   not fold is the same MUL and ADD, by its constant per channel (a (C)
+   tensor; in ONNX (C, 1, 1) where the value is NCHW), in a chain as in a
+   graph.
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
    "<name>/call<k>", with the same weights stored once more.

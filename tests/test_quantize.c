@@ -2361,39 +2361,44 @@ static void test_bad_input(void) {
 /* ---- every allocation failing in turn ------------------------------------------------------- */
 
 static void test_allocation_failures(void) {
+    static const int kinds[2] = {MODEL_CNN, MODEL_BN_GRAPH}; /* BN_GRAPH: MULs and ADDs by constants */
     long k;
-    int succeeded = 0, refused = 0;
+    int ki;
     make_samples(19);
-    for (k = 0; k < 400 && !succeeded; k++) {
-        counting_alloc a = {0, 0, -1};
-        mpt_context *ctx = counting_ctx(&a);
-        mpt_model *m = make_model(ctx, MODEL_CNN, 900), *q = NULL;
-        mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
-        mpt_tensor out;
-        mpt_status s;
-        long before = a.allocs;
-        a.fail_after = before + k;
-        s = mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
-                                                       .representative_data = d}, &q);
-        if (s == MPT_OK) s = mpt_model_predict(q, d, 16, &out);
-        a.fail_after = -1;
-        CHECK(s == MPT_OK || s == MPT_ERR_OUT_OF_MEMORY, "allocation %ld: status %d (%s)", k,
-              (int)s, mpt_context_error(ctx));
-        if (s == MPT_OK) {
-            succeeded = 1;
-            mpt_tensor_free(ctx, &out);
-        } else {
-            refused++;
-            CHECK(s != MPT_OK || q == NULL, "a model left after failure");
+    for (ki = 0; ki < 2; ki++) {
+        int succeeded = 0, refused = 0;
+        for (k = 0; k < 400 && !succeeded; k++) {
+            counting_alloc a = {0, 0, -1};
+            mpt_context *ctx = counting_ctx(&a);
+            mpt_model *m = make_model(ctx, kinds[ki], 900), *q = NULL;
+            mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+            mpt_tensor out;
+            mpt_status s;
+            long before = a.allocs;
+            a.fail_after = before + k;
+            s = mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                           .representative_data = d}, &q);
+            if (s == MPT_OK) s = mpt_model_predict(q, d, 16, &out);
+            a.fail_after = -1;
+            CHECK(s == MPT_OK || s == MPT_ERR_OUT_OF_MEMORY, "model %d allocation %ld: status %d "
+                  "(%s)", kinds[ki], k, (int)s, mpt_context_error(ctx));
+            if (s == MPT_OK) {
+                succeeded = 1;
+                mpt_tensor_free(ctx, &out);
+            } else {
+                refused++;
+                CHECK(s != MPT_OK || q == NULL, "a model left after failure");
+            }
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+            CHECK(a.allocs == a.frees, "model %d allocation %ld refused: %ld blocks leaked",
+                  kinds[ki], k, a.allocs - a.frees);
         }
-        mpt_model_destroy(q);
-        mpt_dataset_destroy(d);
-        mpt_model_destroy(m);
-        mpt_context_destroy(ctx);
-        CHECK(a.allocs == a.frees, "allocation %ld refused: %ld blocks leaked", k,
-              a.allocs - a.frees);
+        CHECK(succeeded && refused > 5, "model %d: %d refusals before success", kinds[ki],
+              refused);
     }
-    CHECK(succeeded && refused > 5, "%d refusals before success", refused);
 }
 
 /* The int8 weights are packed once, when quantizing: a predict in 12

@@ -31677,7 +31677,8 @@ MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t
 
    A quantized model is an mpt_model without layers of its own that holds
    an mpt__quantized: the operations (mpt__qop) made from the float model's
-   layers with BatchNormalization folded in, each reading the tensors its
+   layers with BatchNormalization folded in (or, where it cannot fold, a
+   MUL and an ADD by its constants per channel), each reading the tensors its
    layer's input nodes became (in a chain, the one before; in a graph, any
    earlier ones: mpt__q_build_ops), the quantization of every tensor, and
    what each mode stores. One batch runs through
@@ -36492,8 +36493,9 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32
    io, a QUANTIZE between uint8 and int8 for uint8 io (the same reals,
    codes shifted by 128), nothing for int8 io. A float16 model's operations
    go the same way in float32, their kernels float16 with a DEQUANTIZE (as
-   mpt__tfl_constant stores them), their biases float32 as the model keeps
-   them. */
+   mpt__tfl_constant stores them), their biases and an unfolded
+   BatchNormalization's constants per channel float32 as the model keeps
+   them (in full integer those constants are int8 per tensor). */
 
 /* Gives tensor t n (scale, zero point) pairs along `dimension`, copied
    into storage the graph owns; zero_point NULL: zeros. */

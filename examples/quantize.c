@@ -339,7 +339,8 @@ int main(int argc, char **argv) {
         TRY(copy_weights(trained, aware));
         s = mpt_model_quantize_aware(aware, NULL);
         if (s == MPT_ERR_UNSUPPORTED) /* the seed cnn: BatchNormalizations after a ReLU */
-            fprintf(stderr, "%s: no qat_int8: %s\n", argv[0], mpt_context_error(ctx));
+            fprintf(stderr, "%s: no qat_int8 for --model %s (the error above says why)\n",
+                    argv[0], model_name);
         else
             TRY(s);
         if (s == MPT_OK) {

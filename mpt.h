@@ -2367,9 +2367,20 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    Dense or Conv2D's ReLU (or an Activation ReLU right after it, past a
    folded BatchNormalization) stays fused into the product; its other
    activations become a layer of their own (TFLite's LOGISTIC, TANH, GELU,
-   SOFTMAX). A layer that has no quantized form, or a BatchNormalization
-   that does not follow a Dense or Conv2D without activation, is refused
-   with MPT_ERR_UNSUPPORTED naming it. Every step is deterministic: the
+   SOFTMAX). A BatchNormalization with nothing to fold into (after an
+   activation, pooling or a merge, on the input, or after a layer that
+   others read too) becomes, as TFLite's converter writes it, a MUL by its
+   scale s then an ADD of its shift beta − moving_mean·s, each a constant
+   per channel over the last axis (mpt_quantized_layer's constants; s is
+   the float model's own, gamma·(float)(1/sqrt(moving_variance + epsilon)),
+   the shift rounded once from double): float32 in the float16 and
+   dynamic-range models; in full integer TFLite's int8 MUL and ADD (below)
+   with the constant int8 per tensor (symmetric, scale max|c|/127, as the
+   converter quantizes a constant operand), the MUL's output
+   ("<layer>/scaled") calibrated as any tensor, a ReLU right after fused
+   into the ADD. A layer that has no quantized form is refused with
+   MPT_ERR_UNSUPPORTED naming it (as is a BatchNormalization statistic that
+   is not finite, MPT_ERR_NUMERIC). Every step is deterministic: the
    results are the same bit for bit on every thread count.
    A graph (@layers' functional form: one input, one output; several of
    either are refused) quantizes too: each operation reads the operations
@@ -2534,6 +2545,17 @@ typedef struct mpt_quantized_layer {
                                       the other operand, 1/n; in full integer
                                       the int8 code 127 at scale constant/127,
                                       zero point 0 (so exactly 1/n)           */
+    /* MUL or ADD of one input and a constant per channel, broadcast over
+       the last axis: a BatchNormalization that does not fold, as a MUL by
+       its scale s[c] = gamma[c] / sqrt(moving_variance[c] + epsilon) (the
+       op "<layer>/scaled") then an ADD of its shift beta[c] −
+       moving_mean[c]·s[c] (the op of the layer's name). */
+    int64_t n_constants;           /* the channels; 0: no such constant       */
+    const float *constants;        /* (n_constants) float32                    */
+    const int8_t *constants_int8;  /* full integer: (n_constants) codes,
+                                      symmetric per tensor at constant_params
+                                      (scale max|c|/127, zero point 0)      */
+    mpt_quant_params constant_params;
 } mpt_quantized_layer;
 
 typedef struct mpt_quantized_info {
@@ -2545,7 +2567,8 @@ typedef struct mpt_quantized_info {
                                       tensors the ends quantize to and from */
     int n_layers;                  /* the operations                           */
     /* What a file holds: weights (1 byte each, 2 in float16), biases (4),
-       and per channel scales (4) in the int8 modes. In memory a float16
+       and per channel scales (4) in the int8 modes; constants per channel
+       (4 each; 1, and their scale, in full integer). In memory a float16
        model also keeps, made once for predict, its Dense weights
        transposed (2 bytes each) and its Conv2D kernels widened (4). */
     int64_t size_bytes;
@@ -2616,7 +2639,9 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    activation other than ReLU, unless it is the model's final softmax
    (use activation none and an Activation layer), a merge of more than
    two inputs or an Average (the int8 model's partial sums are no layer's
-   output), and several inputs or outputs.
+   output), a BatchNormalization that does not fold (the output of its
+   MUL, before the ADD, is no layer's either: post-training quantization
+   takes it), and several inputs or outputs.
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
@@ -2665,7 +2690,9 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
        BatchNormalization     folded into the Dense or Conv2D before it when
                               nothing comes between them (its activation
                               none) and nothing else reads that layer's
-                              output; else a per-channel MUL and ADD (Mul, Add)
+                              output; else a per-channel MUL and ADD (Mul, Add;
+                              quantized: the same, its constants float32, or
+                              int8 per tensor in full integer)
        Dropout                nothing (inference)
        ZeroPadding2D          PAD                        Pad
        Add, Subtract          ADD, SUB (two at a time)   Sum, Sub
@@ -2700,7 +2727,10 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    Each merge's results are mpt_model_quantized_invoke's to within one
    step in both runtimes (tests/test_export.c's export_one_op_*); through
    a whole graph those steps pass on further than along a chain (an ADD of
-   two inputs a step off each is two off).
+   two inputs a step off each is two off). A BatchNormalization that does
+   not fold is the same MUL and ADD, by its constant per channel (a (C)
+   tensor; in ONNX (C, 1, 1) where the value is NCHW), in a chain as in a
+   graph.
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
    "<name>/call<k>", with the same weights stored once more.
@@ -31614,7 +31644,8 @@ MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t
 
    A quantized model is an mpt_model without layers of its own that holds
    an mpt__quantized: the operations (mpt__qop) made from the float model's
-   layers with BatchNormalization folded in, each reading the tensors its
+   layers with BatchNormalization folded in (or, where it cannot fold, a
+   MUL and an ADD by its constants per channel), each reading the tensors its
    layer's input nodes became (in a chain, the one before; in a graph, any
    earlier ones: mpt__q_build_ops), the quantization of every tensor, and
    what each mode stores. One batch runs through
@@ -31648,6 +31679,13 @@ typedef struct mpt__qop {
     int64_t in_count, out_count; /* elements of one sample                     */
     float *w;                  /* (N, K) folded float32 weights, while quantizing */
     float *bias;               /* (N) folded float32 bias                      */
+    float *channel;            /* (C) MUL or ADD by a constant per channel: an
+                                  unfolded BatchNormalization's scale or shift */
+    int8_t *channel_q;         /* (C) full integer: channel's int8 codes       */
+    int8_t *channel_lut;       /* (C, 256) full integer: the MUL's or ADD's
+                                  output for each channel and input code (+ 128),
+                                  made once from the arithmetic (not counted in
+                                  size_bytes: what a predict holds)           */
     int8_t *wq;                /* (N, K) int8 modes                            */
     mpt_qgemm_packed *wpacked; /* wq packed for the context's int8 kernels     */
     float *wscale;             /* (N) int8 modes                               */
@@ -31739,6 +31777,9 @@ static int mpt__qop_is_merge(const mpt__qop *op) {
 static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->w);
     mpt__free(ctx, op->bias);
+    mpt__free(ctx, op->channel);
+    mpt__free(ctx, op->channel_q);
+    mpt__free(ctx, op->channel_lut);
     mpt__free(ctx, op->wq);
     mpt__qgemm_packed_free(ctx, op->wpacked);
     mpt__free(ctx, op->wscale);
@@ -31942,29 +31983,39 @@ static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const 
     return MPT_OK;
 }
 
-/* BatchNormalization folded into the Dense or Conv2D before it (op):
-   w'[c] = w[c]·s[c], b'[c] = (b[c] − mean[c])·s[c] + beta[c], s[c] =
-   gamma[c] / sqrt(var[c] + eps), with the layer's own 1/sqrt. */
-static mpt_status mpt__q_fold_batchnorm(mpt_model *m, mpt__qop *op, const mpt__layer *L) {
+/* BatchNormalization L's gamma, beta, moving mean and moving variance into
+   v (4 × N: 1 and 0 where it has no gamma or beta), checked finite: its
+   scale gamma·1/sqrt(var + eps) (the layer's own 1/sqrt), beta and mean. */
+static mpt_status mpt__q_batchnorm_read(mpt_model *m, const mpt__layer *L, int64_t N, float *v) {
     const mpt__param *gamma = mpt__q_layer_param(L, "gamma"), *beta = mpt__q_layer_param(L, "beta");
     const mpt__param *mean = mpt__q_layer_param(L, "moving_mean");
     const mpt__param *var = mpt__q_layer_param(L, "moving_variance");
-    int64_t N = op->info.out_channels, K = op->info.depth, c, k;
-    float *v = (float *)mpt__alloc(m->ctx, sizeof(float) * 4 * (size_t)N); /* gamma, beta, mean, var */
     mpt_status s = MPT_OK;
-    if (!v) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    int64_t c;
     for (c = 0; c < N; c++) v[c] = 1.0f, v[N + c] = 0.0f;
     if (gamma) s = mpt__q_param_read(m, gamma, v);
     if (s == MPT_OK && beta) s = mpt__q_param_read(m, beta, v + N);
     if (s == MPT_OK) s = mpt__q_param_read(m, mean, v + 2 * N);
     if (s == MPT_OK) s = mpt__q_param_read(m, var, v + 3 * N);
+    for (c = 0; s == MPT_OK && c < N; c++)
+        if (!isfinite(v[c] * mpt__bn_inv_std(v[3 * N + c], mpt__bn_epsilon(L))) ||
+            !isfinite(v[N + c]) || !isfinite(v[2 * N + c]))
+            return mpt__fail(m->ctx, MPT_ERR_NUMERIC, "quantize: BatchNormalization '%s' channel "
+                             "%lld is not finite", L->name, (long long)c);
+    return s;
+}
+
+/* BatchNormalization folded into the Dense or Conv2D before it (op):
+   w'[c] = w[c]·s[c], b'[c] = (b[c] − mean[c])·s[c] + beta[c], s[c] =
+   gamma[c] / sqrt(var[c] + eps), with the layer's own 1/sqrt. */
+static mpt_status mpt__q_fold_batchnorm(mpt_model *m, mpt__qop *op, const mpt__layer *L) {
+    int64_t N = op->info.out_channels, K = op->info.depth, c, k;
+    float *v = (float *)mpt__alloc(m->ctx, sizeof(float) * 4 * (size_t)N); /* gamma, beta, mean, var */
+    mpt_status s;
+    if (!v) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    s = mpt__q_batchnorm_read(m, L, N, v);
     for (c = 0; s == MPT_OK && c < N; c++) {
         float scale = v[c] * mpt__bn_inv_std(v[3 * N + c], mpt__bn_epsilon(L));
-        if (!isfinite(scale) || !isfinite(v[N + c]) || !isfinite(v[2 * N + c])) {
-            s = mpt__fail(m->ctx, MPT_ERR_NUMERIC, "quantize: BatchNormalization '%s' channel "
-                          "%lld is not finite", L->name, (long long)c);
-            break;
-        }
         for (k = 0; k < K; k++) op->w[c * K + k] *= scale;
         op->bias[c] = (op->bias[c] - v[2 * N + c]) * scale + v[N + c];
     }
@@ -31974,6 +32025,41 @@ static mpt_status mpt__q_fold_batchnorm(mpt_model *m, mpt__qop *op, const mpt__l
     op->info.folded_batchnorm = op->folded;
     op->last = L;
     return MPT_OK;
+}
+
+/* BatchNormalization L with nothing to fold into (after an activation, a
+   merge, the input, or a layer others read too), as TFLite's converter
+   writes it: a MUL by its scale s[c] = gamma[c]·1/sqrt(var[c] + eps) (the
+   float model's, to the bit), then an ADD of its shift beta[c] −
+   mean[c]·s[c] (in double, rounded once: the float export's), each a
+   constant per channel over the last axis. The MUL's output is no layer's
+   ("<layer>/scaled"); a ReLU after the ADD fuses into it. */
+static mpt_status mpt__q_append_scale_shift(mpt_model *m, mpt__quantized *Q, const mpt__layer *L,
+                                            int in_t) {
+    const int64_t C = L->in_shape[L->in_rank - 1];
+    float *v = (float *)mpt__alloc(m->ctx, sizeof(float) * 4 * (size_t)C); /* gamma, beta, mean, var */
+    mpt__qop *mul = mpt__q_append(Q, L, MPT_QOP_MUL, in_t);
+    mpt__qop *add = mpt__q_append(Q, L, MPT_QOP_ADD, Q->n_ops);
+    mpt_status s;
+    int64_t c;
+    mul->channel = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)C);
+    add->channel = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)C);
+    s = v && mul->channel && add->channel
+            ? mpt__q_batchnorm_read(m, L, C, v)
+            : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    for (c = 0; s == MPT_OK && c < C; c++) {
+        const float scale = v[c] * mpt__bn_inv_std(v[3 * C + c], mpt__bn_epsilon(L));
+        mul->channel[c] = scale;
+        add->channel[c] = (float)((double)v[C + c] - (double)v[2 * C + c] * scale);
+    }
+    mpt__free(m->ctx, v);
+    mul->info.n_constants = add->info.n_constants = C;
+    mul->info.constants = mul->channel;
+    add->info.constants = add->channel;
+    add->info.n_inputs = mul->info.n_inputs = 1;
+    snprintf(mul->name, sizeof mul->name, "%.56s/scaled", L->name);
+    mul->last = NULL;
+    return s;
 }
 
 static void mpt__q_append_pool(mpt__quantized *Q, const mpt__layer *L, mpt_quantized_op kind,
@@ -32107,12 +32193,9 @@ static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
     case MPT__LAYER_CONV2D: MPT__CHECK(mpt__q_append_weighted(m, Q, L, in)); break;
     case MPT__LAYER_BATCH_NORMALIZATION: {
         mpt__qop *op = mpt__q_open_product(m, Q, node_t, readers, L->in_node[0]);
-        if (!op || op->info.folded_batchnorm)
-            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                             "quantize: BatchNormalization '%s' does not directly follow a "
-                             "Dense or Conv2D without activation (read by nothing else), so it "
-                             "cannot be folded", L->name);
-        return mpt__q_fold_batchnorm(m, op, L);
+        if (op && !op->info.folded_batchnorm) return mpt__q_fold_batchnorm(m, op, L);
+        MPT__CHECK(mpt__q_append_scale_shift(m, Q, L, in));
+        break;
     }
     case MPT__LAYER_ACTIVATION: {
         mpt_activation act = L->desc.activation.activation;
@@ -32768,11 +32851,44 @@ static int8_t mpt__q_mul_int8(const mpt__qop *op, int8_t a, int8_t b) {
                                           op->info.output.zero_point));
 }
 
+/* MUL or ADD of `count` elements by op's constant per channel (the last
+   axis: an unfolded BatchNormalization's scale or shift), float32 or
+   int8 (through its table, mpt__q_channel_table): channels at a time, so
+   that the loops take no division. */
+static void mpt__q_by_channel(const mpt__qop *op, int integer, const void *a, void *y,
+                              int64_t count) {
+    const int64_t C = op->info.n_constants;
+    const int mul = op->info.op == MPT_QOP_MUL;
+    int64_t k, c;
+    for (k = 0; k < count; k += C) {
+        if (integer) { /* mpt__q_mul_int8's or mpt__q_add_int8's codes, looked up */
+            const int8_t *MPT__RESTRICT x = (const int8_t *)a + k;
+            const int8_t *MPT__RESTRICT lut = op->channel_lut;
+            int8_t *MPT__RESTRICT out = (int8_t *)y + k;
+            for (c = 0; c < C; c++) out[c] = lut[c * 256 + x[c] + 128];
+        } else {
+            const float *MPT__RESTRICT x = (const float *)a + k;
+            float *MPT__RESTRICT out = (float *)y + k;
+            if (mul)
+                for (c = 0; c < C; c++) out[c] = x[c] * op->channel[c];
+            else
+                for (c = 0; c < C; c++) out[c] = x[c] + op->channel[c];
+            if (op->info.activation == MPT_ACT_RELU)
+                for (c = 0; c < C; c++) out[c] = out[c] < 0 ? 0.0f : out[c];
+        }
+    }
+}
+
 /* ADD, SUB or MUL of `count` elements, float32 or int8. */
-/* b NULL: a MUL by op's constant (an Average's 1/n). */
+/* b NULL: a MUL by op's constant (an Average's 1/n), or a MUL or ADD by
+   its constant per channel. */
 static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const void *b, void *y,
                           int64_t count) {
     int64_t k;
+    if (!b && op->info.n_constants) {
+        mpt__q_by_channel(op, integer, a, y, count);
+        return;
+    }
     if (integer) {
         const int8_t *x0 = (const int8_t *)a, *x1 = (const int8_t *)b;
         int8_t *out = (int8_t *)y;
@@ -33619,6 +33735,27 @@ static void mpt__q_integer_activation(mpt__qop *op) {
     }
 }
 
+/* A MUL or ADD by a constant per channel as a table: its int8 output for
+   every channel and input code, from mpt__q_mul_int8 or mpt__q_add_int8
+   (the multipliers of mpt__q_integer_merge), so that a batch looks each
+   element up instead of requantizing it: the seed cnn's int8 predict of
+   128 images took 124 ms requantizing each element, 24 ms so (2 threads).
+   C · 256 bytes. */
+static mpt_status mpt__q_channel_table(mpt_context *ctx, mpt__qop *op) {
+    const int64_t C = op->info.n_constants;
+    int64_t c;
+    int q;
+    op->channel_lut = (int8_t *)mpt__alloc(ctx, (size_t)(256 * C));
+    if (!op->channel_lut)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
+    for (c = 0; c < C; c++)
+        for (q = -128; q < 128; q++)
+            op->channel_lut[c * 256 + q + 128] =
+                op->info.op == MPT_QOP_MUL ? mpt__q_mul_int8(op, (int8_t)q, op->channel_q[c])
+                                           : mpt__q_add_int8(op, (int8_t)q, op->channel_q[c]);
+    return MPT_OK;
+}
+
 /* A ratio of scales as a multiplier and shift, or an error naming the op. */
 static mpt_status mpt__q_merge_multiplier(mpt_context *ctx, const mpt__qop *op, double real,
                                           int32_t *mult, int32_t *shift) {
@@ -33627,8 +33764,29 @@ static mpt_status mpt__q_merge_multiplier(mpt_context *ctx, const mpt__qop *op, 
                      "multiplier", op->name, real);
 }
 
-/* A MUL's constant operand's scale: the constant as the int8 code 127. */
-static float mpt__q_constant_scale(const mpt__qop *op) { return op->info.constant / 127.0f; }
+/* A MUL's constant operand's scale: the constant as the int8 code 127; a
+   constant per channel's, symmetric per tensor (constant_params). */
+static float mpt__q_constant_scale(const mpt__qop *op) {
+    return op->info.n_constants ? op->info.constant_params.scale : op->info.constant / 127.0f;
+}
+
+/* A constant per channel in int8, as TFLite's converter quantizes a
+   MUL's or ADD's constant operand: symmetric per tensor, scale
+   max|c|/127 (1 for zeros), codes in [−127, 127], zero point 0. */
+static mpt_status mpt__q_integer_channel(mpt_context *ctx, mpt__qop *op) {
+    const int64_t C = op->info.n_constants;
+    float scale;
+    op->channel_q = (int8_t *)mpt__alloc(ctx, (size_t)C);
+    if (!op->channel_q)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
+    mpt__q_symmetric_rows(op->channel, 1, C, op->channel_q, &scale);
+    op->info.constant_params.scale = scale;
+    op->info.constant_params.zero_point = 0;
+    op->info.constant_params.min = -127 * scale;
+    op->info.constant_params.max = 127 * scale;
+    op->info.constants_int8 = op->channel_q;
+    return MPT_OK;
+}
 
 /* A merge's multipliers as TFLite's kernels derive them from the scales
    (mpt__q_add_int8, mpt__q_mul_int8, mpt__q_concat). */
@@ -33682,7 +33840,9 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
         else *out = mpt__q_params(lo[i + 1], hi[i + 1]);
         op->info.input = Q->tensor[op->in_t[0]];
         op->info.output = *out;
+        if (op->info.n_constants) MPT__CHECK(mpt__q_integer_channel(ctx, op));
         if (mpt__qop_is_merge(op)) MPT__CHECK(mpt__q_integer_merge(ctx, Q, op));
+        if (op->info.n_constants) MPT__CHECK(mpt__q_channel_table(ctx, op));
         if (mpt__qop_weighted(op)) MPT__CHECK(mpt__q_integer_product(ctx, op));
         if (op->info.op == MPT_QOP_CONV_2D) MPT__CHECK(mpt__q_direct_prepare(ctx, op, 1));
         if (op->info.op == MPT_QOP_ACTIVATION) mpt__q_integer_activation(op);
@@ -33727,6 +33887,9 @@ static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
     for (i = 0; i < Q->n_ops; i++) {
         mpt__qop *op = &Q->ops[i];
         int64_t NK = op->info.out_channels * op->info.depth, N = op->info.out_channels;
+        if (op->info.n_constants) /* float32, or int8 codes and their one scale */
+            Q->size_bytes += Q->mode == MPT_QUANTIZE_FULL_INTEGER ? op->info.n_constants + 4
+                                                                  : 4 * op->info.n_constants;
         if (!mpt__qop_weighted(op)) continue;
         if (Q->mode == MPT_QUANTIZE_FLOAT16) {
             op->wh = (mpt_half *)mpt__alloc(ctx, sizeof(mpt_half) * (size_t)NK);
@@ -34725,11 +34888,18 @@ static mpt_status mpt__qat_plan(mpt_model *m) {
     if (s == MPT_OK) s = mpt__q_build_ops(m, Q);
     for (i = 0; s == MPT_OK && i < Q->n_ops; i++)
         s = Q->ops[i].last ? mpt__qat_plan_op(m, &Q->ops[i])
-                           : mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: '%s' is a "
-                                       "step of a merge of more than two inputs (or of an "
-                                       "Average), whose partial result no layer outputs for "
-                                       "training to fake-quantize: merge two at a time",
-                                       Q->ops[i].name);
+            : Q->ops[i].info.n_constants /* an unfolded BatchNormalization's MUL; its ADD next */
+                ? mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: BatchNormalization "
+                            "'%s' does not directly follow a Dense or Conv2D without activation "
+                            "(read by nothing else): the int8 model computes it as a MUL then an "
+                            "ADD, whose intermediate no layer outputs for training to "
+                            "fake-quantize (put it before the activation, or quantize after "
+                            "training without quantize_aware)", Q->ops[i + 1].name)
+                : mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: '%s' is a "
+                            "step of a merge of more than two inputs (or of an "
+                            "Average), whose partial result no layer outputs for "
+                            "training to fake-quantize: merge two at a time",
+                            Q->ops[i].name);
     mpt__quantized_free(m->ctx, Q);
     T->input.kind = MPT__QAT_LEARNED;
     T->input.out = s == MPT_OK ? mpt__alloc(m->ctx, sizeof(float) * (size_t)(m->max_batch *
@@ -36290,8 +36460,9 @@ static int32_t mpt__tfl_step(mpt__tfl *g, const mpt__export_step *s, const int32
    io, a QUANTIZE between uint8 and int8 for uint8 io (the same reals,
    codes shifted by 128), nothing for int8 io. A float16 model's operations
    go the same way in float32, their kernels float16 with a DEQUANTIZE (as
-   mpt__tfl_constant stores them), their biases float32 as the model keeps
-   them. */
+   mpt__tfl_constant stores them), their biases and an unfolded
+   BatchNormalization's constants per channel float32 as the model keeps
+   them (in full integer those constants are int8 per tensor). */
 
 /* Gives tensor t n (scale, zero point) pairs along `dimension`, copied
    into storage the graph owns; zero_point NULL: zeros. */
@@ -36544,24 +36715,31 @@ static int32_t mpt__tfl_q_op(mpt__tfl *g, const mpt_quantized_layer *L, int32_t 
 }
 
 /* A MUL's constant operand (an Average's 1/n), broadcast: float32, or in
-   int8 the code 127 at scale constant/127 (mpt__q_constant_scale). */
+   int8 the code 127 at scale constant/127 (mpt__q_constant_scale); or a
+   MUL's or ADD's constant per channel, (C) broadcast over the last axis:
+   float32, or its int8 codes at its one scale (constant_params). */
 static int32_t mpt__tfl_q_constant(mpt__tfl *g, const mpt_quantized_layer *L) {
     const int int8 = mpt__tfl_q_type(g) == MPT__TFL_INT8;
-    const float scale = L->constant / 127.0f;
+    const int64_t n = L->n_constants ? L->n_constants : 1;
+    const float scale = L->n_constants ? L->constant_params.scale : L->constant / 127.0f;
+    const size_t bytes = (size_t)n * (int8 ? 1 : 4);
     const int32_t zero = 0;
-    unsigned char *data = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4);
-    int64_t one = 1;
+    unsigned char *data = (unsigned char *)mpt__alloc(g->pl->m->ctx, bytes);
+    int64_t k;
     int32_t t;
-    uint32_t bits;
     if (!data) {
         g->failed = 1;
         return 0;
     }
-    memcpy(&bits, &L->constant, 4);
-    if (int8) data[0] = 127;
-    else mpt__tb_put_le(data, bits, 4);
+    for (k = 0; k < n; k++) {
+        const float v = L->n_constants ? L->constants[k] : L->constant;
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        if (int8) data[k] = (unsigned char)(L->n_constants ? L->constants_int8[k] : 127);
+        else mpt__tb_put_le(data + 4 * k, bits, 4);
+    }
     t = mpt__tfl_tensor_add(g, L->name, "constant", int8 ? MPT__TFL_INT8 : MPT__TFL_FLOAT32, 1,
-                            &one, 0, mpt__tfl_buffer_add(g, data, int8 ? 1 : 4));
+                            &n, 0, mpt__tfl_buffer_add(g, data, bytes));
     if (int8 && !g->failed) mpt__tfl_set_quant(g, t, 1, 0, &scale, &zero);
     return t;
 }
@@ -38087,20 +38265,37 @@ static void mpt__onnx_q_op(mpt__onnx *o, const mpt__qop *op) {
 
 /* A MUL's constant operand (an Average's 1/n) into name: a float32
    scalar, or in full integer the int8 code 127 and its DequantizeLinear
-   at scale constant/127 (mpt__q_constant_scale). */
-static void mpt__onnx_q_constant_operand(mpt__onnx *o, const mpt_quantized_layer *L, char *name) {
+   at scale constant/127 (mpt__q_constant_scale). A MUL's or ADD's
+   constant per channel likewise: (C), or (C, 1, 1) where the value is
+   NCHW, so that it broadcasts over the channels; in full integer its int8
+   codes at its one scale (constant_params). */
+static void mpt__onnx_q_constant_operand(mpt__onnx *o, const mpt_quantized_layer *L, int nchw,
+                                         char *name) {
     char q[128], scale[128], zero[128];
-    const float s = L->constant / 127.0f;
+    const int per_channel = L->n_constants > 0, rank = per_channel ? (nchw ? 3 : 1) : 0;
+    const int64_t n = per_channel ? L->n_constants : 1, dims[3] = {n, 1, 1};
+    const float s = per_channel ? L->constant_params.scale : L->constant / 127.0f;
     const int32_t code = 127, zp = 0;
+    int32_t *codes = NULL;
+    int64_t k;
     snprintf(name, 96, "%.80s/constant", L->name);
     if (o->pl->m->quantized->mode != MPT_QUANTIZE_FULL_INTEGER) {
-        mpt__onnx_floats(o, name, 0, 1, &L->constant);
+        mpt__onnx_floats_shaped(o, name, rank, dims, n, per_channel ? L->constants : &L->constant);
         return;
     }
     snprintf(q, sizeof q, "%s_int8", name);
     snprintf(scale, sizeof scale, "%s_scale", name);
     snprintf(zero, sizeof zero, "%s_zero_point", name);
-    mpt__onnx_ints(o, q, MPT__ONNX_INT8, 1, 0, NULL, 1, &code);
+    if (per_channel) {
+        codes = (int32_t *)mpt__alloc(o->pl->m->ctx, sizeof(int32_t) * (size_t)n);
+        if (!codes) {
+            o->nodes.failed = 1;
+            return;
+        }
+        for (k = 0; k < n; k++) codes[k] = L->constants_int8[k];
+    }
+    mpt__onnx_ints(o, q, MPT__ONNX_INT8, 1, rank, dims, n, codes ? codes : &code);
+    mpt__free(o->pl->m->ctx, codes);
     mpt__onnx_floats(o, scale, 0, 1, &s);
     mpt__onnx_ints(o, zero, MPT__ONNX_INT8, 1, 0, NULL, 1, &zp);
     mpt__pb_end(&o->nodes, mpt__onnx_node(o, "DequantizeLinear", name, q, scale, zero));
@@ -38149,7 +38344,7 @@ static void mpt__onnx_q_graph_op(mpt__onnx *o, const mpt__qop *op, mpt__onnx_val
         mpt__pb_end(&o->inits, init);
         body = mpt__onnx_node(o, "Pad", y, names[0], pads_name, NULL);
     } else {
-        if (L->n_inputs == 1) mpt__onnx_q_constant_operand(o, L, names[1]);
+        if (L->n_inputs == 1) mpt__onnx_q_constant_operand(o, L, nchw, names[1]);
         body = mpt__onnx_node(o, L->op == MPT_QOP_ADD   ? "Add"
                                  : L->op == MPT_QOP_SUB ? "Sub"
                                                         : "Mul",

@@ -1,5 +1,6 @@
 /* Predict in every variant a model deploys as: examples/quantize.c's mlp
-   and cnn_small and the seed cnn (examples/cnn.c), each as float32, float16
+   and cnn_small, the seed cnn (examples/cnn.c) and ResNet-20
+   (examples/resnet.c's, from examples/resnet20.h), each as float32, float16
    (mpt_model_quantize's FLOAT16: weights stored as float16, computed in
    float32), dynamic_int8 and full_int8, on Fashion-MNIST test images,
    timed in interleaved rounds so that the shared host's load falls on
@@ -9,14 +10,17 @@
           -lpthread -lm -lz
        ./build/bench_predict --model cnn_small [--weights FILE] [--threads 2]
            [--batch-size 128] [--rounds 15] [--reps 20] [--calibration minmax]
-           [--data DIR] [--export DIR] [--serve]
+           [--data DIR] [--export DIR] [--train-samples N] [--serve]
 
    --weights FILE loads the float32 model's weights when FILE exists, else
    trains one epoch (mixed_float16, seed 1, as quantize.c does) and saves
-   them there; without it the model trains each time. full_int8 is
-   calibrated on the first 500 training images. The seed cnn has no int8
-   variants: its BatchNormalization follows a Conv2D with an activation,
-   which quantization refuses (it says so on stderr). A round times --reps
+   them there; without it the model trains each time. --train-samples N
+   trains on the first N training images only (a smoke run's weights:
+   keep them apart from the real ones). full_int8 is calibrated on the
+   first 500 training images. The seed cnn's BatchNormalizations follow a
+   ReLU: every variant computes them as a MUL by their scale and an ADD of
+   their shift (TFLite's converter's form); ResNet-20's fold into the
+   Conv2D before each. A round times --reps
    predicts of one batch per variant and keeps the median; the report is
    each variant's median over rounds and the median of the per-round
    ratios to float32, one JSON line each.
@@ -33,6 +37,7 @@
 #include <sys/stat.h>
 #define MPT_IMPLEMENTATION
 #include "mpt.h"
+#include "../examples/resnet20.h" /* ResNet-20's layers, for common.h */
 #include "common.h"
 
 #define CHECK(call)                                                                     \
@@ -51,15 +56,22 @@ static const char *const variant_names[VARIANTS] = {"float32", "float16", "dynam
 /* The float32 model's weights: loaded from path if it exists, else
    trained for one epoch in mixed_float16 (and saved to path if given). */
 static mpt_status get_weights(mpt_context *ctx, const char *name, const char *path,
-                              const mpt_dataset *train, int64_t batch, mpt_model *model) {
+                              const mpt_dataset *train, int64_t samples, int64_t batch,
+                              mpt_model *model) {
     struct stat st;
     mpt_model *trained;
+    mpt_dataset *head = NULL;
     mpt_status s;
     int i;
     if (path && stat(path, &st) == 0) return mpt_model_load_weights(model, path);
     s = make_quantize_model(ctx, name, MPT_POLICY_MIXED_FLOAT16, batch, &trained);
     if (s != MPT_OK) return s;
-    s = mpt_model_fit(trained, train, &(mpt_fit_desc){ .epochs = 1, .batch_size = batch });
+    if (samples > 0 && samples < mpt_dataset_count(train))
+        s = mpt_dataset_split(ctx, train, samples, &head, NULL);
+    if (s == MPT_OK)
+        s = mpt_model_fit(trained, head ? head : train,
+                          &(mpt_fit_desc){ .epochs = 1, .batch_size = batch });
+    mpt_dataset_destroy(head);
     for (i = 0; s == MPT_OK && i < mpt_model_param_count(trained); i++) {
         mpt_param_info a, b;
         mpt_model_param(trained, i, &a);
@@ -168,7 +180,7 @@ int main(int argc, char **argv) {
     const char *model_name = "mlp", *weights = NULL, *export_dir = NULL;
     const char *data = "/usr/share/datasets/fashion-mnist", *calibration = "minmax";
     int threads = 2, rounds = 15, reps = 20, serving = 0, i, r, v;
-    int64_t batch = 128;
+    int64_t batch = 128, train_samples = 0;
     mpt_calibration calib = MPT_CALIBRATION_MIN_MAX;
     mpt_context *ctx;
     mpt_dataset *train, *test, *first, *rest, *one, *others;
@@ -187,6 +199,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(flag, "--calibration")) calibration = value;
         else if (!strcmp(flag, "--data")) data = value;
         else if (!strcmp(flag, "--export")) export_dir = value;
+        else if (!strcmp(flag, "--train-samples")) train_samples = atoll(value);
         else break;
         i++;
     }
@@ -195,12 +208,12 @@ int main(int argc, char **argv) {
     else if (strcmp(calibration, "minmax")) i = -1;
     if (i != argc ||
         (strcmp(model_name, "mlp") && strcmp(model_name, "cnn_small") &&
-         strcmp(model_name, "cnn")) ||
-        rounds < 1 || rounds > 200 || reps < 1 || batch < 2) {
-        fprintf(stderr, "usage: %s [--model mlp|cnn_small|cnn] [--weights FILE] [--threads N]\n"
-                        "          [--batch-size N (>= 2)] [--rounds N (<= 200)] [--reps N]\n"
-                        "          [--calibration minmax|percentile|mse] [--data DIR]\n"
-                        "          [--export DIR] [--serve]\n", argv[0]);
+         strcmp(model_name, "cnn") && strcmp(model_name, "resnet")) ||
+        rounds < 1 || rounds > 200 || reps < 1 || batch < 2 || train_samples < 0) {
+        fprintf(stderr, "usage: %s [--model mlp|cnn_small|cnn|resnet] [--weights FILE]\n"
+                        "          [--threads N] [--batch-size N (>= 2)] [--rounds N (<= 200)]\n"
+                        "          [--reps N] [--calibration minmax|percentile|mse] [--data DIR]\n"
+                        "          [--export DIR] [--train-samples N] [--serve]\n", argv[0]);
         return 2;
     }
     if (export_dir && mkdir(export_dir, 0777) != 0 && errno != EEXIST) {
@@ -214,7 +227,7 @@ int main(int argc, char **argv) {
     CHECK(mpt_dataset_split(ctx, test, batch, &first, &rest));
     CHECK(mpt_dataset_split(ctx, test, 1, &one, &others));
     CHECK(make_quantize_model(ctx, model_name, MPT_POLICY_FLOAT32, batch, &models[FLOAT32]));
-    CHECK(get_weights(ctx, model_name, weights, train, batch, models[FLOAT32]));
+    CHECK(get_weights(ctx, model_name, weights, train, train_samples, batch, models[FLOAT32]));
     make_variants(ctx, models, train, calib);
     if (export_dir) CHECK(export_variants(ctx, models, export_dir, model_name));
     for (v = 0; v < VARIANTS; v++) /* warm-up: pages, pool, caches */

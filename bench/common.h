@@ -248,8 +248,10 @@ static inline mpt_status make_train_model(mpt_context *ctx, mpt_status (*add_lay
     return s;
 }
 
-/* examples/quantize.c's models ("mlp" or "cnn_small"), or the seed cnn
-   ("cnn", examples/cnn.c's layers), for 28×28×1 images,
+/* examples/quantize.c's models ("mlp" or "cnn_small"), the seed cnn
+   ("cnn", examples/cnn.c's layers) or ResNet-20 ("resnet",
+   examples/resnet20.h's layers, as examples/resnet.c builds it; include
+   that header before this one), for 28×28×1 images,
    seed 1, compiled as there (Adam at Keras' default rate, sparse
    categorical crossentropy, accuracy) and built for batch. */
 static inline mpt_status make_quantize_model(mpt_context *ctx, const char *name, mpt_policy policy,
@@ -260,6 +262,9 @@ static inline mpt_status make_quantize_model(mpt_context *ctx, const char *name,
     if (s != MPT_OK) return s;
     s = !strcmp(name, "cnn_small") ? add_cnn_small_layers(m)
         : !strcmp(name, "cnn")     ? add_cnn_layers(m)
+#ifdef MPT_EXAMPLES_RESNET20_H
+        : !strcmp(name, "resnet")  ? add_resnet20_layers(m)
+#endif
                                    : add_mlp_layers(m);
     memset(&cd, 0, sizeof cd);
     cd.optimizer.type = MPT_OPTIMIZER_ADAM;

@@ -1,6 +1,6 @@
 """mpt.h's predict against ONNX Runtime and LiteRT on the very files it exports.
 
-For each model (mlp, cnn_small, the seed cnn) build/bench_predict loads (or
+For each model (mlp, cnn_small, the seed cnn, ResNet-20) build/bench_predict loads (or
 trains once and saves) the float32 weights, makes each variant mpt.h
 deploys (float32; float16 weights; dynamic_int8; full_int8, calibrated on
 500 training images) and exports each to .tflite and .onnx. This script
@@ -18,8 +18,12 @@ test images:
 Warm-up calls are excluded. The ratio of a cell is the faster runtime's
 time over mpt.h's (above 1: mpt.h is faster), from the medians.
 
-    bench/compare_deploy.sh [--models mlp cnn_small cnn] [--rounds 5]
-        [--reps 20] [--reps1 200]
+    bench/compare_deploy.sh [--models mlp cnn_small cnn resnet] [--rounds 5]
+        [--reps 20] [--reps1 200] [--train-samples N --weights-dir DIR]
+
+--train-samples N trains a model that has no saved weights on the first N
+training images only: a smoke run that proves every cell runs (give it a
+--weights-dir of its own, so that its weights are not the table's).
 
 Prints a Markdown table, then one JSON line per cell ("bench":"deploy").
 """
@@ -45,9 +49,10 @@ VARIANTS = ("float32", "float16", "dynamic_int8", "full_int8")
 class MptServer:
     """bench_predict --serve: one line per request, each call's seconds back."""
 
-    def __init__(self, binary, model, weights, export_dir, threads, batch, data):
+    def __init__(self, binary, model, weights, export_dir, threads, batch, data, train_samples):
         cmd = [binary, "--model", model, "--weights", weights, "--threads", str(threads),
-               "--batch-size", str(batch), "--export", export_dir, "--data", data, "--serve"]
+               "--batch-size", str(batch), "--export", export_dir, "--data", data,
+               "--train-samples", str(train_samples), "--serve"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
         line = self.proc.stdout.readline()
@@ -110,7 +115,7 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["mlp", "cnn_small", "cnn"])
+    p.add_argument("--models", nargs="+", default=["mlp", "cnn_small", "cnn", "resnet"])
     p.add_argument("--binary", default=os.path.join(root, "build", "bench_predict"))
     p.add_argument("--weights-dir", default=os.path.join(root, "build"),
                    help="where <model>_deploybench.safetensors is kept (trained once if missing)")
@@ -122,6 +127,8 @@ def main():
     p.add_argument("--reps", type=int, default=20, help="batch-size calls a round")
     p.add_argument("--reps1", type=int, default=200, help="batch-1 calls a round")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--train-samples", type=int, default=0,
+                   help="train a model without saved weights on this many images (0: all)")
     a = p.parse_args()
 
     images = read_idx(find(a.data, "t10k-images-idx3-ubyte"))[:a.batch]
@@ -130,7 +137,8 @@ def main():
     cells = []
     for model in a.models:
         weights = os.path.join(a.weights_dir, f"{model}_deploybench.safetensors")
-        mpt = MptServer(a.binary, model, weights, a.export_dir, a.threads, a.batch, a.data)
+        mpt = MptServer(a.binary, model, weights, a.export_dir, a.threads, a.batch, a.data,
+                        a.train_samples)
         for variant in VARIANTS:
             stem = f"{mpt.stem}_{variant}"
             if not os.path.exists(stem + ".onnx"):

@@ -5,7 +5,7 @@
 # ai-edge-litert and numpy from PyPI when they are missing (as build.sh
 # does), then runs the comparison.
 #
-#   bench/compare_deploy.sh                               # mlp, cnn_small, cnn
+#   bench/compare_deploy.sh                         # mlp, cnn_small, cnn, resnet
 #   bench/compare_deploy.sh --models cnn_small --rounds 9 --reps1 300
 #
 # The first run trains each model one epoch (a few seconds to a few

@@ -34,7 +34,7 @@
    full_int8.
 
    Build: cc -O2 quantize.c -lpthread -lm -lz -o quantize   (in examples/)
-   Run:   ./quantize [--model mlp|cnn_small] [--weights FILE] [--epochs 1]
+   Run:   ./quantize [--model mlp|cnn_small|cnn] [--weights FILE] [--epochs 1]
                      [--policy ...] [--batch-size 128] [--threads N] [--data DIR]
                      [--calibration-samples 500] [--calibration minmax|percentile|mse]
                      [--qat-epochs 1] [--qat-learning-rate 0.0001]
@@ -44,7 +44,12 @@
    training it (the model's architecture must match the file's).
    --calibration picks how full_int8 takes each tensor's range from the
    calibration images: minmax (the default), percentile (99.99) or mse
-   (the range of least quantization error, MPT_CALIBRATION_MSE). */
+   (the range of least quantization error, MPT_CALIBRATION_MSE).
+   --model cnn is the seed cnn (cnn.c's layers): its BatchNormalizations
+   follow a ReLU, so each quantized variant computes them as a MUL by their
+   scale and an ADD of their shift, as TFLite's converter writes them; it
+   has no qat_int8 (quantization-aware training refuses such a
+   BatchNormalization, and this says so). */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <float.h>
@@ -89,8 +94,8 @@ static int read_rate(const char *program, const char *value, float *rate) {
     return 1;
 }
 
-/* The seed MLP or cnn_small, compiled (Adam at learning_rate; 0: Keras'
-default) and built. */
+/* The seed MLP, cnn_small or the seed cnn (cnn.c's layers), compiled (Adam
+at learning_rate; 0: Keras' default) and built. */
 static mpt_status make_model(mpt_context *ctx, const char *name, mpt_policy policy,
                              float learning_rate, const options *o, mpt_model **out) {
     mpt_model *m;
@@ -98,7 +103,24 @@ static mpt_status make_model(mpt_context *ctx, const char *name, mpt_policy poli
                                                             .input_rank = 3, .policy = policy,
                                                             .seed = o->seed }, &m);
     if (s != MPT_OK) return s;
-    if (!strcmp(name, "cnn_small")) {
+    if (!strcmp(name, "cnn")) { /* two blocks of Conv2D -> BN -> Conv2D -> pool, as cnn.c */
+        int64_t filters;
+        for (filters = 32; filters <= 64; filters *= 2) {
+            mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = filters,
+                                                        .kernel_size = { 3, 3 },
+                                                        .activation = MPT_ACT_RELU });
+            mpt_model_add_batch_normalization(m, NULL);
+            mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = filters,
+                                                        .kernel_size = { 3, 3 },
+                                                        .activation = MPT_ACT_RELU });
+            mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){ .pool_size = { 2, 2 } });
+            mpt_model_add_dropout(m, &(mpt_dropout_desc){ .rate = 0.25f });
+        }
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){ .units = 512, .activation = MPT_ACT_RELU });
+        mpt_model_add_batch_normalization(m, NULL);
+        mpt_model_add_dropout(m, &(mpt_dropout_desc){ .rate = 0.5f });
+    } else if (!strcmp(name, "cnn_small")) {
         mpt_model_add_conv2d(m, &(mpt_conv2d_desc){ .filters = 32, .kernel_size = { 3, 3 },
                                                     .activation = MPT_ACT_RELU });
         mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){ .pool_size = { 2, 2 } });
@@ -250,8 +272,8 @@ int main(int argc, char **argv) {
                 calibration_name);
         return 2;
     }
-    if (strcmp(model_name, "mlp") && strcmp(model_name, "cnn_small")) {
-        fprintf(stderr, "%s: --model is mlp or cnn_small, not %s\n", argv[0], model_name);
+    if (strcmp(model_name, "mlp") && strcmp(model_name, "cnn_small") && strcmp(model_name, "cnn")) {
+        fprintf(stderr, "%s: --model is mlp, cnn_small or cnn, not %s\n", argv[0], model_name);
         return 2;
     }
     if (export_dir && mkdir(export_dir, 0777) != 0 && errno != EEXIST) {
@@ -312,20 +334,29 @@ int main(int argc, char **argv) {
     if (qat_epochs > 0) {
         mpt_model *aware, *q;
         mpt_quantized_info info;
+        mpt_status s;
         TRY(make_model(ctx, model_name, o.policy, qat_rate, &o, &aware));
         TRY(copy_weights(trained, aware));
-        TRY(mpt_model_quantize_aware(aware, NULL));
-        TRY(mpt_model_fit(aware, train, &(mpt_fit_desc){ .epochs = qat_epochs,
-                                                         .batch_size = o.batch_size,
-                                                         .verbose = o.verbose }));
-        TRY(mpt_model_quantize(aware, &(mpt_quantize_desc){ .mode = MPT_QUANTIZE_FULL_INTEGER },
-                               &q));
-        mpt_model_quantized_info(q, &info);
-        files.written = 0;
-        if (export_dir)
-            TRY(export_quantized_variant(q, export_dir, model_name, "qat_int8", &files));
-        TRY(report(ctx, q, model_name, "qat_int8", info.size_bytes, test, o.batch_size, &files));
-        mpt_model_destroy(q);
+        s = mpt_model_quantize_aware(aware, NULL);
+        if (s == MPT_ERR_UNSUPPORTED) /* the seed cnn: BatchNormalizations after a ReLU */
+            fprintf(stderr, "%s: no qat_int8 for --model %s (the error above says why)\n",
+                    argv[0], model_name);
+        else
+            TRY(s);
+        if (s == MPT_OK) {
+            TRY(mpt_model_fit(aware, train, &(mpt_fit_desc){ .epochs = qat_epochs,
+                                                             .batch_size = o.batch_size,
+                                                             .verbose = o.verbose }));
+            TRY(mpt_model_quantize(aware, &(mpt_quantize_desc){
+                .mode = MPT_QUANTIZE_FULL_INTEGER }, &q));
+            mpt_model_quantized_info(q, &info);
+            files.written = 0;
+            if (export_dir)
+                TRY(export_quantized_variant(q, export_dir, model_name, "qat_int8", &files));
+            TRY(report(ctx, q, model_name, "qat_int8", info.size_bytes, test, o.batch_size,
+                       &files));
+            mpt_model_destroy(q);
+        }
         mpt_model_destroy(aware);
     }
 

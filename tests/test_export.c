@@ -27,14 +27,14 @@ static const char *path_of(char *buf, const char *name) {
 
 typedef enum {
     MLP, MLP_VECTORS, MLP_ROWS, CNN, CNN_GAP, CNN_OPEN, GRAPH, SEQ, PIXELS, LN_ROWS, LN_CNN,
-    TOKENS, ATTENTION, RESNET
+    TOKENS, ATTENTION, RESNET, BN_GRAPH
 } arch;
 
 static const char *arch_name(arch a) {
     static const char *names[] = {"mlp",     "mlp_vectors", "mlp_rows", "cnn",
                                   "cnn_gap", "cnn_open",    "graph",    "seq",
                                   "pixels",  "ln_rows",     "ln_cnn",   "tokens",
-                                  "attention", "resnet"};
+                                  "attention", "resnet",      "bn_graph"};
     return names[a];
 }
 
@@ -155,6 +155,25 @@ static void add_resnet(mpt_model *m, int with_bn) {
     two[1] = mpt_multiply(m, 2, two, NULL);
     r = mpt_subtract(m, 2, two, NULL);                                /* (14, 14, 6) */
     mpt_dense(m, mpt_global_average_pooling2d(m, r, NULL),
+              &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
+}
+
+/* A graph of BatchNormalizations that do not fold (each a MUL by its
+   scale and an ADD of its shift, in every quantized form): one on the
+   input, one after a Conv2D that two layers read (its ReLU after it), one
+   after their Add (its ReLU fused into the ADD), one after a Dense's ReLU
+   (the seed cnn's), before the softmax. */
+static void add_bn_graph(mpt_model *m) {
+    mpt_activation_desc relu = {.activation = MPT_ACT_RELU};
+    mpt_node a, two[2], y;
+    a = conv_node(m, mpt_batch_normalization(m, mpt_model_input(m), NULL), 6, 3,
+                  MPT_PADDING_SAME);
+    two[0] = mpt_activation_layer(m, mpt_batch_normalization(m, a, NULL), &relu);
+    two[1] = conv_node(m, a, 6, 1, MPT_PADDING_VALID);
+    y = mpt_activation_layer(m, mpt_batch_normalization(m, mpt_add(m, 2, two, NULL), NULL), &relu);
+    y = mpt_flatten(m, mpt_max_pooling2d(m, y, NULL), NULL);
+    y = mpt_dense(m, y, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    mpt_dense(m, mpt_batch_normalization(m, y, NULL),
               &(mpt_dense_desc){.units = 10, .activation = MPT_ACT_SOFTMAX});
 }
 
@@ -286,6 +305,7 @@ static mpt_model *make_model(arch a, int with_bn) {
         break;
     case GRAPH: add_graph(m, with_bn); break;
     case RESNET: add_resnet(m, with_bn); break;
+    case BN_GRAPH: add_bn_graph(m); break;
     case TOKENS: add_tokens(m); break;
     case ATTENTION: add_attention(m); break;
     case LN_ROWS: /* LayerNormalization over each row of 28, 3-D in the files */
@@ -618,11 +638,20 @@ static void check_float(arch a, mpt_dtype weights, double tol) {
    arithmetic (the same int8 inputs and integer sums; one rounding more in
    the float scaling): within 1e-5. LiteRT within DYNAMIC_TFLITE_TOL. Both:
    top-1 mpt.h's on at least 99.5 % of the images (LiteRT's: 9,990 of
-   10,000 measured when this was written). */
+   10,000 measured when this was written). bn: the model has
+   BatchNormalizations that do not fold, whose scales (up to gamma /
+   sqrt(var) of the trained statistics) magnify each difference of an
+   input's int8 rounding in the products after them: LiteRT's asymmetric
+   inputs (above) then give top-1 mpt.h's on 9,919 of the 10,000 images
+   (largest difference 0.0076), and ONNX Runtime, mpt.h's arithmetic but
+   for float32 rounding (which at a tie moves an int8 input a step), on
+   10,000, largest difference 5.9e-4 (measured when this was written):
+   bounds of 99 % and 1.5e-3 for them. */
 static void check_trained_dynamic_range(mpt_model *m, mpt_dataset *test, const char *images,
-                                        float *got) {
+                                        float *got, int bn) {
     const char *fmts[2] = {"tflite", "onnx"};
-    const double tols[2] = {DYNAMIC_TFLITE_TOL, 1e-5};
+    const double tols[2] = {DYNAMIC_TFLITE_TOL, bn ? 1.5e-3 : 1e-5};
+    const double agree[2] = {bn ? 0.99 : 0.995, 0.995};
     mpt_model *qm = NULL;
     mpt_tensor want;
     char files[2][256], what[64];
@@ -639,7 +668,7 @@ static void check_trained_dynamic_range(mpt_model *m, mpt_dataset *test, const c
         snprintf(what, sizeof what, "%s, dynamic range", fmts[k]);
         if (run_runtime(fmts[k], files[k], images, "int8", got, mpt_tensor_count(&want)))
             compare(what, got, (const float *)want.data, mpt_tensor_count(&want), 10, tols[k],
-                    0.995);
+                    agree[k]);
     }
     mpt_tensor_free(ctx, &want);
     mpt_model_destroy(qm);
@@ -684,7 +713,7 @@ static void check_trained(mpt_policy policy, double tol, mpt_dataset *train, mpt
         if (run_runtime(fmts[k], files[k], images, "float32", got, count))
             compare(what, got, (const float *)want.data, count, 10, tol, 0.995);
     }
-    if (got && policy == MPT_POLICY_FLOAT32) check_trained_dynamic_range(m, test, images, got);
+    if (got && policy == MPT_POLICY_FLOAT32) check_trained_dynamic_range(m, test, images, got, 0);
     free(got);
     mpt_tensor_free(ctx, &want);
     mpt_model_destroy(m);
@@ -755,10 +784,11 @@ static void test_fashion_mnist_trained(void) {
 
 /* What one runtime gave against mpt.h's: the largest difference in
    steps, the outputs more than one step off and the images they are on,
-   and the images whose top-1 class is mpt.h's. */
+   and the images whose top-1 class is mpt.h's (ties: or one of mpt.h's
+   when its largest output is tied, as runtime_matches counts them). */
 static void full_integer_against(const char *what, const float *got, const float *want,
-                                 int64_t images, int64_t classes, double step) {
-    int64_t i, c, off_outputs = 0, off_images = 0, top1_same = 0;
+                                 int64_t images, int64_t classes, double step, int ties) {
+    int64_t i, c, off_outputs = 0, off_images = 0, top1_same = 0, tied = 0;
     double worst = 0;
     for (i = 0; i < images; i++) {
         int off = 0;
@@ -769,12 +799,16 @@ static void full_integer_against(const char *what, const float *got, const float
             off |= d > 1.001;
         }
         off_images += off;
-        top1_same += argmax(got + i * classes, classes) == argmax(want + i * classes, classes);
+        c = argmax(got + i * classes, classes);
+        top1_same += c == argmax(want + i * classes, classes);
+        tied += c != argmax(want + i * classes, classes) &&
+                want[i * classes + c] == want[i * classes + argmax(want + i * classes, classes)];
     }
-    printf("# %s: top-1 as mpt.h's on %lld of %lld images; every output within %.0f steps of "
-           "1/256 (more than one step on %lld outputs of %lld images)\n", what,
-           (long long)top1_same, (long long)images, worst, (long long)off_outputs,
-           (long long)off_images);
+    printf("# %s: top-1 as mpt.h's on %lld of %lld images (%lld more of mpt.h's tied top "
+           "classes); every output within %.0f steps of 1/256 (more than one step on %lld "
+           "outputs of %lld images)\n", what, (long long)top1_same, (long long)images,
+           (long long)tied, worst, (long long)off_outputs, (long long)off_images);
+    if (ties) top1_same += tied;
     CHECK((double)top1_same >= E2E_TOP1 * (double)images,
           "%s: top-1 as mpt.h's on %lld of %lld images", what, (long long)top1_same,
           (long long)images);
@@ -782,33 +816,66 @@ static void full_integer_against(const char *what, const float *got, const float
           worst, E2E_STEPS);
 }
 
-static void test_fashion_mnist_full_integer(void) {
-    const char *data_dir = "/usr/share/datasets/fashion-mnist", *fmts[2] = {"tflite", "onnx"};
-    mpt_dataset *all = NULL, *head = NULL, *calibration = NULL, *test = NULL;
+/* A float16 model of the trained m: its kernels float16, its unfolded
+   BatchNormalizations' constants float32, computed in float32 in both
+   runtimes as in mpt.h: within 1e-4, top-1 the same on every image. */
+static void check_trained_float16(mpt_model *m, mpt_dataset *test, const char *images,
+                                  float *got) {
+    const char *fmts[2] = {"tflite", "onnx"};
+    mpt_model *qm = NULL;
+    mpt_tensor want;
+    char files[2][256], what[64];
+    int k;
+    memset(&want, 0, sizeof want);
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FLOAT16}, &qm) ==
+                  MPT_OK &&
+              mpt_model_predict(qm, test, 500, &want) == MPT_OK &&
+              mpt_model_export_tflite(qm, path_of(files[0], "fmnist_bn_f16.tflite"), NULL) ==
+                  MPT_OK &&
+              mpt_model_export_onnx(qm, path_of(files[1], "fmnist_bn_f16.onnx"), NULL) == MPT_OK,
+          "float16: %s", mpt_context_error(ctx));
+    for (k = 0; want.data && k < 2; k++) {
+        snprintf(what, sizeof what, "%s, float16, trained with BatchNormalization", fmts[k]);
+        if (run_runtime(fmts[k], files[k], images, "float16", got, mpt_tensor_count(&want)))
+            compare(what, got, (const float *)want.data, mpt_tensor_count(&want), 10, 1e-4, 1);
+    }
+    mpt_tensor_free(ctx, &want);
+    mpt_model_destroy(qm);
+}
+
+/* The small CNN above trained and quantized to full integer, in both
+   runtimes. with_bn: the seed cnn's BatchNormalizations that do not fold,
+   one after the Conv2D's ReLU and one after the Dense's (each a MUL by its
+   scale and an ADD of its shift, the constants int8 per tensor), under the
+   same bounds, a tie among mpt.h's top classes counting as
+   runtime_matches counts it: that model is less sure of itself after one
+   epoch, and measured when this was written, the same in both runtimes,
+   every output within 2 steps, top-1 mpt.h's on 9,980 of the 10,000
+   images and one of its tied top classes on 13 more; that model also in
+   dynamic range and float16 (check_trained_dynamic_range's and
+   check_trained_float16's bounds). */
+static void trained_full_integer(mpt_dataset *head, mpt_dataset *calibration, mpt_dataset *test,
+                                 const char *images, int with_bn) {
+    const char *fmts[2] = {"tflite", "onnx"};
     mpt_model *m = NULL, *qm = NULL;
     mpt_quantized_info info;
     mpt_tensor want;
-    char images[256], files[2][256], what[64];
+    char files[2][256], what[96];
     float *got = NULL;
     int k;
     memset(&want, 0, sizeof want);
-    if (!fashion_mnist_and_runtimes(data_dir, &all)) return;
-    snprintf(images, sizeof images, "%s/t10k-images-idx3-ubyte.gz", data_dir);
-    CHECK(mpt_dataset_load_mnist(ctx, data_dir, 1, &test) == MPT_OK &&
-              mpt_dataset_split(ctx, all, 12000, &head, NULL) == MPT_OK &&
-              mpt_dataset_split(ctx, head, 500, &calibration, NULL) == MPT_OK,
-          "data: %s", mpt_context_error(ctx));
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3,
                                             .seed = 5}, &m);
     add_conv(m, 16, 3, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU);
+    if (with_bn) add_bn(m);
     mpt_model_add_max_pooling2d(m, NULL);
     mpt_model_add_flatten(m, NULL);
     add_dense(m, 64, MPT_ACT_RELU);
+    if (with_bn) add_bn(m);
     add_dense(m, 10, MPT_ACT_SOFTMAX);
     mpt_model_compile(m, &(mpt_compile_desc){
         .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}, .metrics = MPT_METRIC_ACCURACY});
-    CHECK(test && head && calibration &&
-              mpt_model_fit(m, head, &(mpt_fit_desc){.epochs = 1, .batch_size = 128}) == MPT_OK &&
+    CHECK(mpt_model_fit(m, head, &(mpt_fit_desc){.epochs = 1, .batch_size = 128}) == MPT_OK &&
               mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
                                                          .representative_data = calibration},
                                  &qm) == MPT_OK &&
@@ -816,20 +883,44 @@ static void test_fashion_mnist_full_integer(void) {
               mpt_model_quantized_info(qm, &info) == MPT_OK,
           "fit, quantize and predict: %s", mpt_context_error(ctx));
     if (want.data) got = (float *)malloc(sizeof(float) * (size_t)(mpt_tensor_count(&want) + 1));
-    CHECK(got && mpt_model_export_tflite(qm, path_of(files[0], "fmnist_int8.tflite"), NULL) ==
-                     MPT_OK &&
-              mpt_model_export_onnx(qm, path_of(files[1], "fmnist_int8.onnx"), NULL) == MPT_OK,
+    CHECK(got && mpt_model_export_tflite(qm, path_of(files[0], with_bn ? "fmnist_bn_int8.tflite"
+                                                                       : "fmnist_int8.tflite"),
+                                         NULL) == MPT_OK &&
+              mpt_model_export_onnx(qm, path_of(files[1], with_bn ? "fmnist_bn_int8.onnx"
+                                                                  : "fmnist_int8.onnx"),
+                                    NULL) == MPT_OK,
           "export: %s", mpt_context_error(ctx));
     for (k = 0; got && k < 2; k++) {
-        snprintf(what, sizeof what, "%s, full integer, trained", fmts[k]);
+        snprintf(what, sizeof what, "%s, full integer, trained%s", fmts[k],
+                 with_bn ? " with BatchNormalization" : "");
         if (run_runtime(fmts[k], files[k], images, "qint8", got, mpt_tensor_count(&want)))
             full_integer_against(what, got, (const float *)want.data, want.shape[0], 10,
-                                 (double)info.output.scale);
+                                 (double)info.output.scale, with_bn);
+    }
+    if (got && with_bn) {
+        check_trained_dynamic_range(m, test, images, got, 1);
+        check_trained_float16(m, test, images, got);
     }
     free(got);
     mpt_tensor_free(ctx, &want);
     mpt_model_destroy(qm);
     mpt_model_destroy(m);
+}
+
+static void test_fashion_mnist_full_integer(void) {
+    const char *data_dir = "/usr/share/datasets/fashion-mnist";
+    mpt_dataset *all = NULL, *head = NULL, *calibration = NULL, *test = NULL;
+    char images[256];
+    if (!fashion_mnist_and_runtimes(data_dir, &all)) return;
+    snprintf(images, sizeof images, "%s/t10k-images-idx3-ubyte.gz", data_dir);
+    CHECK(mpt_dataset_load_mnist(ctx, data_dir, 1, &test) == MPT_OK &&
+              mpt_dataset_split(ctx, all, 12000, &head, NULL) == MPT_OK &&
+              mpt_dataset_split(ctx, head, 500, &calibration, NULL) == MPT_OK,
+          "data: %s", mpt_context_error(ctx));
+    if (test && head && calibration) {
+        trained_full_integer(head, calibration, test, images, 0);
+        trained_full_integer(head, calibration, test, images, 1);
+    }
     mpt_dataset_destroy(calibration);
     mpt_dataset_destroy(head);
     mpt_dataset_destroy(test);
@@ -1491,12 +1582,12 @@ done:
    float32, uint8 or int8 on random inputs (uint8 and int8 io: the random
    codes of xq_codes), exported and run in rt as runtime_matches says. */
 static void check_full_integer_in(const runtime *rt, const char *name, unsigned long long seed,
-                                  arch a, mpt_dtype io) {
+                                  arch a, mpt_dtype io, int with_bn) {
     mpt_model *m, *qm = NULL;
     int64_t k;
     test__begin();
     test_seed(seed);
-    m = make_model(a, 0);
+    m = make_model(a, with_bn);
     if (!test_python_imports(rt->imports) || !m) {
         mpt_model_destroy(m);
         test__end("%s", name);
@@ -1514,21 +1605,27 @@ static void check_full_integer_in(const runtime *rt, const char *name, unsigned 
     test__end("%s", name);
 }
 
-/* In LiteRT (.tflite). */
-static void check_full_integer(arch a, mpt_dtype io) {
+/* In LiteRT (.tflite). with_bn: the model's BatchNormalizations in
+   (those that do not fold: a MUL and an ADD; the case named "_bn"). */
+static void check_full_integer(arch a, mpt_dtype io, int with_bn) {
     char name[64];
-    snprintf(name, sizeof name, "export_full_integer_%s_%s_io", arch_name(a), mpt_dtype_name(io));
-    check_full_integer_in(&litert, name, 300 + 3 * a + (io == MPT_UINT8) + 2 * (io == MPT_INT8),
-                          a, io);
+    snprintf(name, sizeof name, "export_full_integer_%s%s_%s_io", arch_name(a),
+             with_bn ? "_bn" : "", mpt_dtype_name(io));
+    check_full_integer_in(&litert, name,
+                          300 + 3 * a + (io == MPT_UINT8) + 2 * (io == MPT_INT8) + 1000 * with_bn,
+                          a, io, with_bn);
 }
 
 /* In ONNX Runtime (.onnx, the QDQ form). */
-static void check_full_integer_onnx(arch a, mpt_dtype io) {
+static void check_full_integer_onnx(arch a, mpt_dtype io, int with_bn) {
     char name[64];
-    snprintf(name, sizeof name, "export_full_integer_onnx_%s%s%s", arch_name(a),
-             io == MPT_FLOAT32 ? "" : "_", io == MPT_FLOAT32 ? "" : mpt_dtype_name(io));
+    snprintf(name, sizeof name, "export_full_integer_onnx_%s%s%s%s", arch_name(a),
+             with_bn ? "_bn" : "", io == MPT_FLOAT32 ? "" : "_",
+             io == MPT_FLOAT32 ? "" : mpt_dtype_name(io));
     check_full_integer_in(&onnx_runtime, name,
-                          500 + a + 17 * (io == MPT_UINT8) + 31 * (io == MPT_INT8), a, io);
+                          500 + a + 17 * (io == MPT_UINT8) + 31 * (io == MPT_INT8) +
+                              1000 * with_bn,
+                          a, io, with_bn);
 }
 
 /* ---- one operation at a time, in both runtimes -------------------------------------
@@ -1542,14 +1639,14 @@ static void check_full_integer_onnx(arch a, mpt_dtype io) {
 typedef enum {
     OP_DENSE, OP_DENSE_RELU, OP_CONV, OP_CONV_STRIDED, OP_MAX_POOL, OP_AVERAGE_POOL,
     OP_GLOBAL_POOL, OP_RELU, OP_SIGMOID, OP_TANH, OP_GELU, OP_GELU_TANH, OP_SOFTMAX,
-    OP_PAD, OP_ADD, OP_SUB, OP_MUL, OP_CONCAT, OP_AVERAGE, OP_SHARED, OP_COUNT
+    OP_PAD, OP_ADD, OP_SUB, OP_MUL, OP_CONCAT, OP_AVERAGE, OP_SHARED, OP_BATCH_NORM, OP_COUNT
 } one_op_kind;
 
 static const char *const one_op_names[OP_COUNT] = {
     "dense", "dense_relu", "conv2d", "conv2d_strided", "max_pooling2d", "average_pooling2d",
     "global_average_pooling2d", "relu", "sigmoid", "tanh", "gelu", "gelu_tanh", "softmax",
     "zero_padding2d", "add", "subtract", "multiply", "concatenate", "average",
-    "shared_conv2d_add"};
+    "shared_conv2d_add", "batch_normalization"};
 
 /* A merge of the image and a 1×1 Conv2D of it (3 filters for Concatenate,
    which then joins the image's channel, at the input's scale, requantized
@@ -1583,7 +1680,7 @@ static mpt_model *one_op_model(one_op_kind op) {
     mpt_model *m = NULL;
     mpt_model_desc desc = {.input_shape = {28, 28, 1}, .input_rank = 3, .seed = 7};
     if (op <= OP_DENSE_RELU) desc.input_shape[0] = 784, desc.input_rank = 1;
-    if (op >= OP_RELU && op <= OP_SOFTMAX) desc.input_rank = 2;
+    if ((op >= OP_RELU && op <= OP_SOFTMAX) || op == OP_BATCH_NORM) desc.input_rank = 2;
     if (mpt_model_create(ctx, &desc, &m) != MPT_OK) return NULL;
     switch (op) {
     case OP_DENSE: add_dense(m, 11, MPT_ACT_NONE); break;
@@ -1606,6 +1703,7 @@ static mpt_model *one_op_model(one_op_kind op) {
     case OP_CONCAT:
     case OP_AVERAGE:
     case OP_SHARED: one_merge(m, op); break;
+    case OP_BATCH_NORM: add_bn(m); break; /* over the 28 channels of each row: MUL, ADD */
     default: add_act(m, acts[op - OP_RELU]); break;
     }
     if (mpt_model_build(m, 64) != MPT_OK) {
@@ -1637,7 +1735,8 @@ static void check_one_op(const runtime *rt, one_op_kind op) {
         char name[96];
         snprintf(name, sizeof name, "one_%s", one_op_names[op]);
         runtime_matches(rt, qm, MPT_INT8, name,
-                        op <= OP_CONV_STRIDED || op >= OP_ADD ? ONE_OP : ONE_OP_WEIGHTLESS);
+                        op <= OP_CONV_STRIDED || (op >= OP_ADD && op != OP_BATCH_NORM)
+                            ? ONE_OP : ONE_OP_WEIGHTLESS);
     }
     mpt_model_destroy(qm);
     mpt_model_destroy(m);
@@ -1873,7 +1972,7 @@ done:
    of the samples (the random weights' probabilities lie close together,
    so a difference within the bound can swap the top two: 1 of 37 on the
    MLP; the 99.5 % bar is the trained model's). */
-static void check_quantized_float(arch a, mpt_quantize_mode mode) {
+static void check_quantized_float(arch a, mpt_quantize_mode mode, int with_bn) {
     const int half = mode == MPT_QUANTIZE_FLOAT16;
     const double tflite_tol = half ? 1e-4 : DYNAMIC_TFLITE_TOL, onnx_tol = half ? 1e-4 : 1e-5;
     const char *mname = half ? "float16" : "dynamic_range", *wdtype = half ? "float16" : "int8";
@@ -1885,18 +1984,20 @@ static void check_quantized_float(arch a, mpt_quantize_mode mode) {
     test__begin();
     memset(&want, 0, sizeof want);
     if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) {
-        test__end("export_%s_quantized_%s", mname, arch_name(a));
+        test__end("export_%s_quantized_%s%s", mname, arch_name(a), with_bn ? "_bn" : "");
         return;
     }
-    test_seed((half ? 400 : 600) + a);
-    m = make_model(a, 0);
+    test_seed((half ? 400 : 600) + a + 1000 * with_bn);
+    m = make_model(a, with_bn);
     CHECK(m != NULL, "build: %s", mpt_context_error(ctx));
     if (m && write_inputs(x_path)) {
         randomize(m);
         CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = mode}, &qm) == MPT_OK,
               "quantize: %s", mpt_context_error(ctx));
-        snprintf(tfl, sizeof tfl, "%s/%s_%s_quantized.tflite", dir, arch_name(a), mname);
-        snprintf(onnx, sizeof onnx, "%s/%s_%s_quantized.onnx", dir, arch_name(a), mname);
+        snprintf(tfl, sizeof tfl, "%s/%s%s_%s_quantized.tflite", dir, arch_name(a),
+                 with_bn ? "_bn" : "", mname);
+        snprintf(onnx, sizeof onnx, "%s/%s%s_%s_quantized.onnx", dir, arch_name(a),
+                 with_bn ? "_bn" : "", mname);
         CHECK(qm && mpt_model_export_tflite(qm, tfl, NULL) == MPT_OK, "TFLite: %s",
               mpt_context_error(ctx));
         CHECK(qm && mpt_model_export_onnx(qm, onnx, NULL) == MPT_OK, "ONNX: %s",
@@ -1916,7 +2017,7 @@ static void check_quantized_float(arch a, mpt_quantize_mode mode) {
     mpt_tensor_free(ctx, &want);
     mpt_model_destroy(qm);
     mpt_model_destroy(m);
-    test__end("export_%s_quantized_%s", mname, arch_name(a));
+    test__end("export_%s_quantized_%s%s", mname, arch_name(a), with_bn ? "_bn" : "");
 }
 
 /* A path under a regular file, and a path that is a directory (the whole
@@ -2028,8 +2129,9 @@ static void remove_dir(void) {
 }
 
 int main(void) {
+    static const arch with_bn[4] = {MLP, CNN, CNN_GAP, BN_GRAPH};
     mpt_context_desc d;
-    int a;
+    int a, i;
     memset(&d, 0, sizeof d);
     d.num_threads = 1;
     if (mpt_context_create(&d, &ctx) != MPT_OK) return 1;
@@ -2038,34 +2140,43 @@ int main(void) {
         printf("FAIL cannot create a temporary directory\n");
         return 1;
     }
-    for (a = MLP; a <= RESNET; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
+    for (a = MLP; a <= BN_GRAPH; a++) check_float((arch)a, MPT_FLOAT32, 1e-4);
     for (a = MLP; a <= RESNET; a++) check_float((arch)a, MPT_FLOAT16, 1e-4);
     TEST_RUN(test_fashion_mnist_trained);
     TEST_RUN(test_fashion_mnist_full_integer);
     TEST_RUN(test_tflite_quantization);
     TEST_RUN(test_onnx_qdq);
     for (a = MLP; a <= CNN_OPEN; a++) {
-        check_full_integer((arch)a, MPT_FLOAT32);
-        check_full_integer((arch)a, MPT_UINT8);
-        check_full_integer((arch)a, MPT_INT8);
+        check_full_integer((arch)a, MPT_FLOAT32, 0);
+        check_full_integer((arch)a, MPT_UINT8, 0);
+        check_full_integer((arch)a, MPT_INT8, 0);
     }
-    check_full_integer(RESNET, MPT_FLOAT32);
-    check_full_integer(RESNET, MPT_UINT8);
-    check_full_integer(RESNET, MPT_INT8);
-    for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_FLOAT16);
-    for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_DYNAMIC_RANGE);
-    check_quantized_float(RESNET, MPT_QUANTIZE_FLOAT16);
-    check_quantized_float(RESNET, MPT_QUANTIZE_DYNAMIC_RANGE);
-    for (a = MLP; a <= CNN_OPEN; a++) check_full_integer_onnx((arch)a, MPT_FLOAT32);
-    check_full_integer_onnx(MLP, MPT_UINT8);
-    check_full_integer_onnx(CNN_OPEN, MPT_INT8);
-    check_full_integer_onnx(RESNET, MPT_FLOAT32);
-    check_full_integer_onnx(RESNET, MPT_UINT8);
-    check_full_integer_onnx(RESNET, MPT_INT8);
+    check_full_integer(RESNET, MPT_FLOAT32, 0);
+    check_full_integer(RESNET, MPT_UINT8, 0);
+    check_full_integer(RESNET, MPT_INT8, 0);
+    for (a = MLP; a <= CNN_OPEN; a++) check_quantized_float((arch)a, MPT_QUANTIZE_FLOAT16, 0);
+    for (a = MLP; a <= CNN_OPEN; a++)
+        check_quantized_float((arch)a, MPT_QUANTIZE_DYNAMIC_RANGE, 0);
+    check_quantized_float(RESNET, MPT_QUANTIZE_FLOAT16, 0);
+    check_quantized_float(RESNET, MPT_QUANTIZE_DYNAMIC_RANGE, 0);
+    /* BatchNormalizations that do not fold (after a ReLU, 2-D and 4-D;
+       after pooling; in a graph); dynamic range and full integer:
+       test_fashion_mnist_full_integer's trained model and the one-op
+       cases (the random models' softmax outputs lie within a step of each
+       other on a few samples in 100, where either runtime's rounding may
+       pick another top class) */
+    for (i = 0; i < 4; i++) check_quantized_float(with_bn[i], MPT_QUANTIZE_FLOAT16, 1);
+    for (a = MLP; a <= CNN_OPEN; a++) check_full_integer_onnx((arch)a, MPT_FLOAT32, 0);
+    check_full_integer_onnx(MLP, MPT_UINT8, 0);
+    check_full_integer_onnx(CNN_OPEN, MPT_INT8, 0);
+    check_full_integer_onnx(RESNET, MPT_FLOAT32, 0);
+    check_full_integer_onnx(RESNET, MPT_UINT8, 0);
+    check_full_integer_onnx(RESNET, MPT_INT8, 0);
     for (a = OP_DENSE; a < OP_COUNT; a++) check_one_op(&litert, (one_op_kind)a);
     /* (not SHARED: ONNX Runtime leaves its two 1-filter Conv nodes in float,
        which run_qdq.py refuses) */
     for (a = OP_DENSE; a < OP_SHARED; a++) check_one_op(&onnx_runtime, (one_op_kind)a);
+    check_one_op(&onnx_runtime, OP_BATCH_NORM);
     check_quantization_aware(0);
     check_quantization_aware(1);
     TEST_RUN(test_unsupported_layer);

@@ -677,6 +677,20 @@ static void test_bad_input(void) {
     mpt_model_build(m, 4);
     expect_status(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
                   "'batch_normalization' does not directly follow", "unfoldable BatchNormalization");
+    CHECK(m->qat == NULL, "nothing left behind");
+    mpt_model_destroy(m);
+
+    /* BatchNormalization after a Dense's ReLU (the seed cnn's): post-training
+       quantization makes it a MUL and an ADD, whose intermediate no layer
+       outputs for training to fake-quantize */
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {4}, .input_rank = 1}, &m);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3, .activation = MPT_ACT_RELU});
+    mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){.name = "bn_after_relu"});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2});
+    mpt_model_build(m, 4);
+    expect_status(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                  "'bn_after_relu' does not directly follow", "BatchNormalization after a ReLU");
+    CHECK(m->qat == NULL, "nothing left behind");
     mpt_model_destroy(m);
     mpt_context_destroy(ctx);
 }

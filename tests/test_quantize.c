@@ -73,7 +73,13 @@ static void round_weights_to_half(mpt_context *ctx, mpt_model *m) {
     mpt_model_refresh_weights(m);
 }
 
-enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE, MODEL_RESIDUAL, MODEL_MERGES };
+enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE, MODEL_RESIDUAL, MODEL_MERGES,
+       MODEL_BN_CHAIN, MODEL_BN_GRAPH };
+
+/* Whether a kind is built as a graph (add_graph). */
+static int is_graph(int kind) {
+    return kind == MODEL_RESIDUAL || kind == MODEL_MERGES || kind == MODEL_BN_GRAPH;
+}
 
 /* CNN: Conv2D → BatchNormalization → ReLU → MaxPooling2D → Conv2D(tanh)
    → AveragePooling2D('same') → Flatten → Dense(gelu) → Dropout →
@@ -81,12 +87,29 @@ enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE, MODEL_RESIDUAL, MODEL_MERG
    GlobalAveragePooling2D → Dense(softmax). DENSE: Flatten → Dense(16) →
    BatchNormalization → Dense(4, relu). WIDE: Conv2D(300, 1×1) →
    MaxPooling2D → AveragePooling2D → Flatten → Dense(softmax): pooling
-   over more channels than a block of its int32 sums. */
+   over more channels than a block of its int32 sums. BN_CHAIN, the seed
+   cnn's BatchNormalizations that do not fold: Conv2D(relu) →
+   BatchNormalization → Conv2D(relu) → MaxPooling2D → Flatten →
+   Dense(relu) → BatchNormalization → Dropout → Dense(softmax). */
 static void add_graph(mpt_model *m, int kind);
 
 static void add_layers(mpt_model *m, int kind) {
-    if (kind >= MODEL_RESIDUAL) {
+    if (is_graph(kind)) {
         add_graph(m, kind);
+    } else if (kind == MODEL_BN_CHAIN) {
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
+                                                   .padding = MPT_PADDING_SAME,
+                                                   .activation = MPT_ACT_RELU});
+        mpt_model_add_batch_normalization(m, NULL);
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {3, 3},
+                                                   .activation = MPT_ACT_RELU});
+        mpt_model_add_max_pooling2d(m, NULL);
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = 12, .activation = MPT_ACT_RELU});
+        mpt_model_add_batch_normalization(m, NULL);
+        mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.5f});
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
+                                                 .activation = MPT_ACT_SOFTMAX});
     } else if (kind == MODEL_CNN) {
         mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
                                                    .padding = MPT_PADDING_SAME});
@@ -136,10 +159,26 @@ static void add_layers(mpt_model *m, int kind) {
    three, a Concatenate of four on the channels (inputs at four scales)
    read by a shared 1×1 Conv2D called twice (the second call on another
    Concatenate), the Average of the two and c1 beside c1 concatenated along
-   the rows (axis 1), MaxPooling2D → Flatten → Dense(softmax). */
+   the rows (axis 1), MaxPooling2D → Flatten → Dense(softmax). BN_GRAPH,
+   BatchNormalizations that do not fold in a graph: one on the input, one
+   after a Conv2D that two layers read (a: its BatchNormalization → ReLU
+   beside a 1×1 Conv2D of a), one after their Add, then ReLU (fused into
+   the ADD of its shift), GlobalAveragePooling2D → Dense(softmax). */
 static void add_graph(mpt_model *m, int kind) {
     mpt_node x = mpt_model_input(m), a, b, r, c, d, two[2], four[4];
     const mpt_activation_desc relu = {.activation = MPT_ACT_RELU};
+    if (kind == MODEL_BN_GRAPH) {
+        a = mpt_conv2d(m, mpt_batch_normalization(m, x, NULL),
+                       &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
+                                          .padding = MPT_PADDING_SAME});
+        two[0] = mpt_activation_layer(m, mpt_batch_normalization(m, a, NULL), &relu);
+        two[1] = mpt_conv2d(m, a, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {1, 1}});
+        r = mpt_activation_layer(m, mpt_batch_normalization(m, mpt_add(m, 2, two, NULL), NULL),
+                                 &relu);
+        mpt_dense(m, mpt_global_average_pooling2d(m, r, NULL),
+                  &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+        return;
+    }
     if (kind == MODEL_RESIDUAL) {
         a = mpt_conv2d(m, x, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
                                                 .padding = MPT_PADDING_SAME});
@@ -234,7 +273,8 @@ static void test_rounding_ties_away_from_zero(void) {
 /* The folded operations in float32 against the float model's own predict:
    the same function, up to float32 rounding. */
 static void test_batchnorm_folding_float(void) {
-    static const int kinds[] = {MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_RESIDUAL, MODEL_MERGES};
+    static const int kinds[] = {MODEL_CNN,      MODEL_GAP,      MODEL_DENSE, MODEL_RESIDUAL,
+                                MODEL_MERGES,   MODEL_BN_CHAIN, MODEL_BN_GRAPH};
     int ki;
     make_samples(11);
     for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++) {
@@ -254,12 +294,25 @@ static void test_batchnorm_folding_float(void) {
         CHECK(mpt__q_build_ops(m, &Q) == MPT_OK, "ops: %s", mpt_context_error(ctx));
         CHECK(mpt__q_plan(ctx, &Q, H * W * C) == MPT_OK, "plan");
         CHECK(mpt__qwork_alloc(ctx, &Q, N_SAMPLES, &w) == MPT_OK, "work");
-        CHECK(kind == MODEL_GAP || kind == MODEL_MERGES || Q.ops[0].info.folded_batchnorm ||
+        CHECK(kind == MODEL_GAP || kind == MODEL_MERGES || kind >= MODEL_BN_CHAIN ||
+                  Q.ops[0].info.folded_batchnorm ||
                   Q.ops[1].info.folded_batchnorm, "model %d: no BatchNormalization folded", kind);
         if (kind == MODEL_RESIDUAL) { /* all three, a graph's too */
             int i, folded = 0;
             for (i = 0; i < Q.n_ops; i++) folded += Q.ops[i].info.folded_batchnorm != NULL;
             CHECK(folded == 3, "residual: %d BatchNormalizations folded, want 3", folded);
+        }
+        if (kind >= MODEL_BN_CHAIN) { /* none folds: each a MUL by its scale, an ADD of its shift */
+            int i, pairs = 0, folded = 0;
+            for (i = 0; i < Q.n_ops; i++) {
+                folded += Q.ops[i].info.folded_batchnorm != NULL;
+                pairs += Q.ops[i].info.op == MPT_QOP_MUL && Q.ops[i].info.n_constants > 0 &&
+                         i + 1 < Q.n_ops && Q.ops[i + 1].info.op == MPT_QOP_ADD &&
+                         Q.ops[i + 1].info.n_constants == Q.ops[i].info.n_constants &&
+                         Q.ops[i + 1].in_t[0] == i + 1;
+            }
+            CHECK(folded == 0 && pairs == (kind == MODEL_BN_CHAIN ? 2 : 3),
+                  "model %d: %d folded, %d scale-and-shift pairs", kind, folded, pairs);
         }
         if (w.block)
             CHECK(mpt__q_forward(ctx, &Q, MPT__QX_REFERENCE, sample_x, N_SAMPLES, &w, NULL,
@@ -339,6 +392,12 @@ static void check_integer_graph_op(mpt__quantized *Q, int i, float **ref, int64_
         double bound = o->scale + 1e-6;
         if (op->info.op == MPT_QOP_ADD || op->info.op == MPT_QOP_SUB) {
             bound += 0.5 * (Q->tensor[op->in_t[0]].scale + Q->tensor[op->in_t[1]].scale);
+        } else if (op->info.n_constants) { /* by a constant per channel, itself rounded */
+            const double si = Q->tensor[op->in_t[0]].scale, sc = op->info.constant_params.scale;
+            const double cv = op->info.constants[k % op->info.n_constants];
+            bound += op->info.op == MPT_QOP_ADD
+                         ? 0.5 * (si + sc)
+                         : 0.5 * si * fabs(cv) + 0.5 * sc * fabs(ref[op->in_t[0]][k]) + 0.25 * si * sc;
         } else if (op->info.op == MPT_QOP_MUL && op->info.n_inputs == 1) { /* by 1/n, exact */
             bound += 0.5 * Q->tensor[op->in_t[0]].scale * op->info.constant;
         } else if (op->info.op == MPT_QOP_MUL) {
@@ -457,12 +516,37 @@ static void check_dynamic_op(mpt_context *ctx, mpt__quantized *Q, int i, float *
     free(y);
 }
 
+/* The folded float32 reference of every tensor of a graph, each operation
+   run on its own inputs' tensors: ref[0] the samples, ref[i + 1] op i's
+   output (allocated here). */
+static void graph_reference(mpt_context *ctx, mpt__quantized *R, float **ref, int64_t n,
+                            mpt__qwork *w) {
+    int i, k;
+    for (i = 0; i < R->n_ops; i++) {
+        const mpt__qop *op = &R->ops[i];
+        const void *xs[MPT_MAX_MERGE_INPUTS];
+        ref[i + 1] = (float *)malloc(sizeof(float) * (size_t)(n * op->out_count));
+        for (k = 0; k < op->info.n_inputs; k++) xs[k] = ref[op->in_t[k]];
+        if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, 0, xs[0], ref[i + 1], n);
+        else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, 0, xs, ref[i + 1], n);
+        else if (mpt__qop_is_merge(op))
+            mpt__q_binary(op, 0, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, ref[i + 1],
+                          n * op->out_count);
+        else
+            CHECK(mpt__q_run_op(ctx, R, i, MPT__QX_REFERENCE, xs[0], ref[i + 1], n, w) == MPT_OK,
+                  "reference op %d", i);
+    }
+}
+
 static void test_layers_within_steps(void) {
     int kind;
     make_samples(12);
-    for (kind = MODEL_CNN; kind <= MODEL_WIDE; kind++) {
-        mpt_context *ctx = quiet_ctx();
-        mpt_model *m = make_model(ctx, kind, 200 + (unsigned)kind);
+    for (kind = MODEL_CNN; kind <= MODEL_BN_CHAIN; kind++) {
+        mpt_context *ctx;
+        mpt_model *m;
+        if (is_graph(kind)) continue; /* test_graph_ops_within_steps */
+        ctx = quiet_ctx();
+        m = make_model(ctx, kind, 200 + (unsigned)kind);
         mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
         mpt_model *qi = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
         mpt_model *qd = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
@@ -476,10 +560,7 @@ static void test_layers_within_steps(void) {
         CHECK(mpt__q_plan(ctx, &R, H * W * C) == MPT_OK, "plan");
         CHECK(mpt__qwork_alloc(ctx, &R, N_SAMPLES, &w) == MPT_OK, "work");
         ref[0] = sample_x;
-        for (i = 0; i < R.n_ops; i++) {
-            ref[i + 1] = (float *)malloc(sizeof(float) * (size_t)(N_SAMPLES * R.ops[i].out_count));
-            mpt__q_run_op(ctx, &R, i, MPT__QX_REFERENCE, ref[i], ref[i + 1], N_SAMPLES, &w);
-        }
+        graph_reference(ctx, &R, ref, N_SAMPLES, &w); /* a chain's too: each reads the one before */
         for (i = 0; qi && qd && i < R.n_ops; i++) {
             check_integer_op(ctx, qi->quantized, i, ref, N_SAMPLES, &w);
             if (mpt__qop_weighted(&R.ops[i])) check_dynamic_op(ctx, qd->quantized, i, ref, N_SAMPLES, &w);
@@ -504,28 +585,6 @@ static void test_layers_within_steps(void) {
 
 /* ---- graphs ----------------------------------------------------------------------------- */
 
-/* The folded float32 reference of every tensor of a graph, each operation
-   run on its own inputs' tensors: ref[0] the samples, ref[i + 1] op i's
-   output (allocated here). */
-static void graph_reference(mpt_context *ctx, mpt__quantized *R, float **ref, int64_t n,
-                            mpt__qwork *w) {
-    int i, k;
-    for (i = 0; i < R->n_ops; i++) {
-        const mpt__qop *op = &R->ops[i];
-        const void *xs[MPT_MAX_MERGE_INPUTS];
-        ref[i + 1] = (float *)malloc(sizeof(float) * (size_t)(n * op->out_count));
-        for (k = 0; k < op->info.n_inputs; k++) xs[k] = ref[op->in_t[k]];
-        if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, 0, xs[0], ref[i + 1], n);
-        else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, 0, xs, ref[i + 1], n);
-        else if (mpt__qop_is_merge(op))
-            mpt__q_binary(op, 0, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, ref[i + 1],
-                          n * op->out_count);
-        else
-            CHECK(mpt__q_run_op(ctx, R, i, MPT__QX_REFERENCE, xs[0], ref[i + 1], n, w) == MPT_OK,
-                  "reference op %d", i);
-    }
-}
-
 /* Each operation of the two graphs in full integer (and each product in
    dynamic range) within its bound of the folded float32 reference, on its
    own inputs (the merges' bounds: check_integer_graph_op); and each
@@ -534,9 +593,12 @@ static void graph_reference(mpt_context *ctx, mpt__quantized *R, float **ref, in
 static void test_graph_ops_within_steps(void) {
     int kind;
     make_samples(16);
-    for (kind = MODEL_RESIDUAL; kind <= MODEL_MERGES; kind++) {
-        mpt_context *ctx = quiet_ctx();
-        mpt_model *m = make_model(ctx, kind, 210 + (unsigned)kind);
+    for (kind = MODEL_RESIDUAL; kind <= MODEL_BN_GRAPH; kind++) {
+        mpt_context *ctx;
+        mpt_model *m;
+        if (!is_graph(kind)) continue;
+        ctx = quiet_ctx();
+        m = make_model(ctx, kind, 210 + (unsigned)kind);
         mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
         mpt_model *qi = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
         mpt_model *qd = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
@@ -579,8 +641,9 @@ static void test_graph_ops_within_steps(void) {
         }
         /* residual: ZeroPadding2D and two ADDs; merges: SUB, MUL, two ADDs
            of the Add of three, three CONCATENATIONs, the Average's two
-           ADDs and MUL by 1/3 */
-        CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : 10) &&
+           ADDs and MUL by 1/3; BatchNormalizations: three MULs by a scale
+           and ADDs of a shift, and the Add */
+        CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : kind == MODEL_MERGES ? 10 : 7) &&
                   ranges == merges - (kind == MODEL_RESIDUAL),
               "model %d: %d graph operations checked, %d ranges", kind, merges, ranges);
         for (i = 0; i < R.n_ops; i++) {
@@ -719,6 +782,113 @@ static void test_graph_merge_scalar_reference(void) {
     mpt_context_destroy(ctx);
 }
 
+/* Layer `layer`'s parameter `what` ("gamma"), from the float model's masters. */
+static const float *param_of(mpt_model *m, const char *layer, const char *what) {
+    char name[160];
+    int i;
+    snprintf(name, sizeof name, "%s/%s", layer, what);
+    for (i = 0; i < mpt_model_param_count(m); i++) {
+        mpt_param_info p;
+        mpt_model_param(m, i, &p);
+        if (strcmp(p.name, name) == 0) return (const float *)p.value.data;
+    }
+    return NULL;
+}
+
+/* A BatchNormalization that does not fold, in full integer: its MUL by
+   the scale and ADD of the shift per channel (both graphs' and the seed
+   cnn's chain). The constants are the float model's: s[c] = gamma[c] ·
+   (float)(1/sqrt(var + eps)) to the bit, shift[c] = beta[c] − mean[c]·s[c]
+   rounded once; their int8 codes symmetric per tensor (scale max|c|/127,
+   each code within half a step, ±127 at the largest); and every input
+   code on every channel gives TFLite's int8 MUL ((a − za)·q_c times
+   sa·sc/so, plus zo) or ADD (each less its zero point, shifted 20 bits,
+   times its multiplier of s/(2·max(sa, sc)), added, times 2·max/(2^20·so),
+   plus zo; a fused ReLU clamped at zo), bit for bit. */
+static void test_scale_shift_scalar_reference(void) {
+    static const int kinds[] = {MODEL_BN_CHAIN, MODEL_BN_GRAPH};
+    int ki, checked = 0;
+    long long off = 0, constants_off = 0;
+    make_samples(19);
+    for (ki = 0; ki < 2; ki++) {
+        mpt_context *ctx = quiet_ctx();
+        mpt_model *m = make_model(ctx, kinds[ki], 250 + (unsigned)ki);
+        mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+        mpt_model *q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+        int i;
+        for (i = 0; q && i + 1 < q->quantized->n_ops; i++) {
+            const mpt__quantized *Q = q->quantized;
+            const mpt__qop *mul = &Q->ops[i], *add = &Q->ops[i + 1];
+            const int64_t C = mul->info.n_constants;
+            const char *bn = add->name;
+            const float *gamma = param_of(m, bn, "gamma"), *beta = param_of(m, bn, "beta");
+            const float *mean = param_of(m, bn, "moving_mean");
+            const float *var = param_of(m, bn, "moving_variance");
+            int k;
+            if (mul->info.op != MPT_QOP_MUL || !C) continue;
+            CHECK(add->info.op == MPT_QOP_ADD && add->info.n_constants == C && gamma && beta &&
+                      mean && var,
+                  "op %d (%s): not a MUL then ADD of a BatchNormalization's", i, mul->name);
+            if (!gamma || !beta || !mean || !var || add->info.op != MPT_QOP_ADD) continue;
+            for (k = 0; k < 2; k++) {
+                const mpt__qop *op = k ? add : mul;
+                const mpt_quant_params *pa = &Q->tensor[op->in_t[0]], *o = &op->info.output;
+                const double sc = op->info.constant_params.scale;
+                double amax = 0, twice = 2.0 * fmax(pa->scale, sc);
+                int32_t ma, mc, mo;
+                int sa, sh_c, so, a;
+                int64_t c;
+                for (c = 0; c < C; c++) {
+                    const float s = gamma[c] * (float)(1.0 / sqrt((double)var[c] + 1e-3));
+                    const float want = k ? (float)((double)beta[c] - (double)mean[c] * s) : s;
+                    constants_off += op->info.constants[c] != want;
+                    amax = fmax(amax, fabs(op->info.constants[c]));
+                }
+                constants_off += fabs(sc - amax / 127) > 1e-6 * sc || op->info.constant_params.zero_point;
+                for (c = 0; c < C; c++) {
+                    const double exact = op->info.constants[c] / sc;
+                    constants_off += fabs(op->info.constants_int8[c] - exact) > 0.5 + 1e-4;
+                    constants_off += fabs(exact) > 126.999 && abs(op->info.constants_int8[c]) != 127;
+                }
+                ref_multiplier(pa->scale / twice, &ma, &sa);
+                ref_multiplier(sc / twice, &mc, &sh_c);
+                if (k) ref_multiplier(twice / ((double)(1 << 20) * o->scale), &mo, &so);
+                else ref_multiplier((double)pa->scale * sc / o->scale, &mo, &so);
+                for (a = -128; a < 128; a++) {
+                    int8_t x[64], y[64];
+                    for (c = 0; c < C; c++) x[c] = (int8_t)a;
+                    mpt__q_binary(op, 1, x, NULL, y, C);
+                    for (c = 0; c < C; c++) {
+                        const int32_t b = op->info.constants_int8[c];
+                        int32_t raw;
+                        int8_t want;
+                        if (k) {
+                            raw = ref_mbqm(ref_mbqm((a - pa->zero_point) * (1 << 20), ma, sa) +
+                                               ref_mbqm(b * (1 << 20), mc, sh_c),
+                                           mo, so);
+                        } else {
+                            raw = ref_mbqm((a - pa->zero_point) * b, mo, so);
+                        }
+                        want = ref_sat8(raw + o->zero_point);
+                        if (op->info.activation == MPT_ACT_RELU && want < o->zero_point)
+                            want = (int8_t)o->zero_point;
+                        off += y[c] != want;
+                    }
+                }
+                checked++;
+            }
+        }
+        mpt_model_destroy(q);
+        mpt_dataset_destroy(d);
+        mpt_model_destroy(m);
+        mpt_context_destroy(ctx);
+    }
+    CHECK(checked == 2 * (2 + 3), "%d MULs and ADDs by a constant per channel checked, want 10",
+          checked);
+    CHECK(constants_off == 0, "%lld constants differ from the float model's", constants_off);
+    CHECK(off == 0, "%lld codes differ from TFLite's arithmetic", off);
+}
+
 /* The graphs quantized in each mode, through mpt_model_predict and
    mpt_model_evaluate, against the float model's: float16 with the weights
    rounded to half first is the float model's arithmetic but for the
@@ -730,7 +900,7 @@ static void test_graph_predict_modes(void) {
     static const double bound[3] = {0.05, 0.1, 1e-4}; /* dynamic, full integer, float16 */
     int kind, mode;
     make_samples(18);
-    for (kind = MODEL_RESIDUAL; kind <= MODEL_MERGES; kind++) {
+    for (kind = MODEL_RESIDUAL; kind <= MODEL_BN_GRAPH; kind++) {
         mpt_context *ctx = quiet_ctx();
         mpt_model *m = make_model(ctx, kind, 240 + (unsigned)kind);
         mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
@@ -934,7 +1104,8 @@ static mpt_context *threads_ctx(int threads) {
 }
 
 static void test_bit_exact_across_threads(void) {
-    static const int kinds[] = {MODEL_CNN, MODEL_GAP, MODEL_RESIDUAL, MODEL_MERGES};
+    static const int kinds[] = {MODEL_CNN,    MODEL_GAP,      MODEL_RESIDUAL,
+                                MODEL_MERGES, MODEL_BN_CHAIN, MODEL_BN_GRAPH};
     int mode, threads, kind, ki;
     make_samples(14);
     for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
@@ -2127,23 +2298,59 @@ static void test_bad_input(void) {
                       "info of a float model");
     }
     mpt_model_destroy(m);
-    /* BatchNormalization after an activation, or first, cannot be folded */
+    /* BatchNormalization after an activation, or first, cannot be folded: a
+       MUL by its scale ("<name>/scaled") then an ADD of its shift, in every
+       mode; a non-finite statistic is refused naming the layer */
     {
-        int order;
-        for (order = 0; order < 2; order++) {
-            mpt_model *b = NULL;
-            mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3},
-                             &b);
-            if (order == 0) mpt_model_add_batch_normalization(b, &(mpt_batchnorm_desc){.name = "bn_first"});
-            mpt_model_add_flatten(b, NULL);
-            mpt_model_add_dense(b, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_RELU});
-            if (order == 1) mpt_model_add_batch_normalization(b, &(mpt_batchnorm_desc){.name = "bn_after_relu"});
-            mpt_model_build(b, 8);
-            randomize(b, 800);
-            expect_status(ctx, mpt_model_quantize(b, NULL, &q), MPT_ERR_UNSUPPORTED,
-                          order == 0 ? "bn_first" : "bn_after_relu", "unfoldable BatchNormalization");
-            mpt_model_destroy(b);
-        }
+        int order, mode;
+        for (order = 0; order < 3; order++)
+            for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+                const char *name = order == 0 ? "bn_first" : "bn_after_relu";
+                mpt_model *b = NULL;
+                mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C},
+                                                        .input_rank = 3}, &b);
+                if (order == 0)
+                    mpt_model_add_batch_normalization(b, &(mpt_batchnorm_desc){.name = name});
+                mpt_model_add_flatten(b, NULL);
+                mpt_model_add_dense(b, &(mpt_dense_desc){.units = 5, .activation = MPT_ACT_RELU});
+                if (order > 0)
+                    mpt_model_add_batch_normalization(b, &(mpt_batchnorm_desc){.name = name});
+                mpt_model_build(b, 8);
+                randomize(b, 800);
+                if (order == 2) { /* a variance of NaN */
+                    mpt_param_info p;
+                    int i;
+                    for (i = 0; i < mpt_model_param_count(b); i++) {
+                        mpt_model_param(b, i, &p);
+                        if (strstr(p.name, "moving_variance")) ((float *)p.value.data)[3] = NAN;
+                    }
+                    mpt_model_refresh_weights(b);
+                    expect_status(ctx, mpt_model_quantize(b, &(mpt_quantize_desc){
+                                      .mode = (mpt_quantize_mode)mode, .representative_data = d},
+                                      &q), MPT_ERR_NUMERIC, "'bn_after_relu' channel 3",
+                                  "BatchNormalization not finite");
+                    CHECK(q == NULL, "no model on failure");
+                } else {
+                    mpt_quantized_layer a, s;
+                    q = NULL;
+                    CHECK(mpt_model_quantize(b, &(mpt_quantize_desc){
+                              .mode = (mpt_quantize_mode)mode, .representative_data = d},
+                              &q) == MPT_OK, "%s mode %d: %s", name, mode,
+                          mpt_context_error(ctx));
+                    mpt_model_quantized_layer(q, order == 0 ? 0 : 2, &s);
+                    mpt_model_quantized_layer(q, order == 0 ? 1 : 3, &a);
+                    CHECK(s.op == MPT_QOP_MUL && a.op == MPT_QOP_ADD && s.n_constants ==
+                              (order == 0 ? C : 5) && a.n_constants == s.n_constants &&
+                              a.inputs[0] == (order == 0 ? 0 : 2) && !strcmp(a.name, name) &&
+                              !strncmp(s.name, name, strlen(name)) &&
+                              !strcmp(s.name + strlen(name), "/scaled") &&
+                              (mode == MPT_QUANTIZE_FULL_INTEGER) == (a.constants_int8 != NULL),
+                          "%s mode %d: not a MUL then an ADD by constants per channel", name,
+                          mode);
+                    mpt_model_destroy(q);
+                }
+                mpt_model_destroy(b);
+            }
     }
     mpt_model_destroy(raw);
     mpt_dataset_destroy(wrong);
@@ -2154,39 +2361,44 @@ static void test_bad_input(void) {
 /* ---- every allocation failing in turn ------------------------------------------------------- */
 
 static void test_allocation_failures(void) {
+    static const int kinds[2] = {MODEL_CNN, MODEL_BN_GRAPH}; /* BN_GRAPH: MULs and ADDs by constants */
     long k;
-    int succeeded = 0, refused = 0;
+    int ki;
     make_samples(19);
-    for (k = 0; k < 400 && !succeeded; k++) {
-        counting_alloc a = {0, 0, -1};
-        mpt_context *ctx = counting_ctx(&a);
-        mpt_model *m = make_model(ctx, MODEL_CNN, 900), *q = NULL;
-        mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
-        mpt_tensor out;
-        mpt_status s;
-        long before = a.allocs;
-        a.fail_after = before + k;
-        s = mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
-                                                       .representative_data = d}, &q);
-        if (s == MPT_OK) s = mpt_model_predict(q, d, 16, &out);
-        a.fail_after = -1;
-        CHECK(s == MPT_OK || s == MPT_ERR_OUT_OF_MEMORY, "allocation %ld: status %d (%s)", k,
-              (int)s, mpt_context_error(ctx));
-        if (s == MPT_OK) {
-            succeeded = 1;
-            mpt_tensor_free(ctx, &out);
-        } else {
-            refused++;
-            CHECK(s != MPT_OK || q == NULL, "a model left after failure");
+    for (ki = 0; ki < 2; ki++) {
+        int succeeded = 0, refused = 0;
+        for (k = 0; k < 400 && !succeeded; k++) {
+            counting_alloc a = {0, 0, -1};
+            mpt_context *ctx = counting_ctx(&a);
+            mpt_model *m = make_model(ctx, kinds[ki], 900), *q = NULL;
+            mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+            mpt_tensor out;
+            mpt_status s;
+            long before = a.allocs;
+            a.fail_after = before + k;
+            s = mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                           .representative_data = d}, &q);
+            if (s == MPT_OK) s = mpt_model_predict(q, d, 16, &out);
+            a.fail_after = -1;
+            CHECK(s == MPT_OK || s == MPT_ERR_OUT_OF_MEMORY, "model %d allocation %ld: status %d "
+                  "(%s)", kinds[ki], k, (int)s, mpt_context_error(ctx));
+            if (s == MPT_OK) {
+                succeeded = 1;
+                mpt_tensor_free(ctx, &out);
+            } else {
+                refused++;
+                CHECK(s != MPT_OK || q == NULL, "a model left after failure");
+            }
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+            CHECK(a.allocs == a.frees, "model %d allocation %ld refused: %ld blocks leaked",
+                  kinds[ki], k, a.allocs - a.frees);
         }
-        mpt_model_destroy(q);
-        mpt_dataset_destroy(d);
-        mpt_model_destroy(m);
-        mpt_context_destroy(ctx);
-        CHECK(a.allocs == a.frees, "allocation %ld refused: %ld blocks leaked", k,
-              a.allocs - a.frees);
+        CHECK(succeeded && refused > 5, "model %d: %d refusals before success", kinds[ki],
+              refused);
     }
-    CHECK(succeeded && refused > 5, "%d refusals before success", refused);
 }
 
 /* The int8 weights are packed once, when quantizing: a predict in 12
@@ -2440,6 +2652,7 @@ int main(void) {
     TEST_RUN(test_float_max_pool_as_float_model);
     TEST_RUN(test_quantized_summary);
     TEST_RUN(test_layer_accessors_per_mode);
+    TEST_RUN(test_scale_shift_scalar_reference);
     TEST_RUN(test_bit_exact_across_threads);
     TEST_RUN(test_calibration_ranges);
     TEST_RUN(test_requantization_scalar_reference);

@@ -32588,6 +32588,51 @@ static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, in
     }
 }
 
+#if MPT__X86
+/* mpt__q_symmetric_rows in AVX-512, the same bits: the same max (order
+   does not change a max; a NaN never wins, as there), the same one
+   product x·inv, truncation and the same half-way test as
+   mpt__q_round_small, 16 elements a step; the tail under a mask. */
+MPT__TARGET_AVX512 static void mpt__q_symmetric_rows_avx512(const float *x, int64_t rows,
+                                                            int64_t cols, int8_t *q,
+                                                            float *scale) {
+    const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
+    const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    const __m512i one = _mm512_set1_epi32(1);
+    int64_t r, c;
+    for (r = 0; r < rows; r++, x += cols, q += cols) {
+        __m512 lane = _mm512_setzero_ps(), vinv;
+        float amax, inv;
+        for (c = 0; c < cols; c += 16) {
+            const __mmask16 m = cols - c >= 16 ? (__mmask16)0xFFFF
+                                               : (__mmask16)((1u << (cols - c)) - 1);
+            const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + c));
+            lane = _mm512_max_ps(a, lane); /* a NaN: lane kept */
+        }
+        amax = _mm512_reduce_max_ps(lane);
+        scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
+        inv = amax > 0 ? 127.0f / amax : 0.0f;
+        if (!(amax < INFINITY)) { /* inf: the scalar path, which saturates */
+            mpt__q_symmetric_rows(x, 1, cols, q, scale + r);
+            continue;
+        }
+        vinv = _mm512_set1_ps(inv);
+        for (c = 0; c < cols; c += 16) {
+            const __mmask16 m = cols - c >= 16 ? (__mmask16)0xFFFF
+                                               : (__mmask16)((1u << (cols - c)) - 1);
+            const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + c), vinv);
+            __m512i i = _mm512_cvttps_epi32(v);
+            const __m512 frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+            i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(frac, half, _CMP_GE_OQ), i, one);
+            i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(frac, minus_half, _CMP_LE_OQ), i,
+                                      one);
+            i = _mm512_min_epi32(_mm512_max_epi32(i, lo), hi);
+            _mm512_mask_cvtepi32_storeu_epi8(q + c, m, i);
+        }
+    }
+}
+#endif
+
 /* Rows of a dynamic product, MPT__Q_TASK_ROWS a task (each row alone, so
    any thread count gives the same): quantized before it, or dequantized
    after it, y = acc · row_scale · w_scale[c] + bias[c], then ReLU. */
@@ -32602,14 +32647,50 @@ typedef struct mpt__qrows_job {
     const int32_t *acc;      /* dequantize: (rows, N)                         */
     const float *row_scale;  /* dequantize: (rows)                            */
     float *y;                /* dequantize: (rows, N)                         */
+    int avx512;              /* the context has AVX-512                       */
 } mpt__qrows_job;
 
 static void mpt__q_quantize_rows_task(void *arg, int64_t task, int thread) {
     const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
     int64_t r0 = task * MPT__Q_TASK_ROWS, n = MPT__MIN(MPT__Q_TASK_ROWS, j->rows - r0);
     (void)thread;
+#if MPT__X86
+    if (j->avx512) {
+        mpt__q_symmetric_rows_avx512(j->x + r0 * j->cols, n, j->cols, j->q + r0 * j->cols,
+                                     j->scale + r0);
+        return;
+    }
+#endif
     mpt__q_symmetric_rows(j->x + r0 * j->cols, n, j->cols, j->q + r0 * j->cols, j->scale + r0);
 }
+
+#if MPT__X86
+/* Rows r0 to r1 of mpt__q_dequantize_rows_task in AVX-512, the same bits:
+   the same two products and sum, each rounded once (ISO C builds do not
+   contract them), and the floor as `v < lowest ? lowest : v` (max with v
+   second keeps a NaN and the sign of a zero). */
+MPT__TARGET_AVX512 static void mpt__q_dequantize_rows_avx512(const mpt__qrows_job *j, int64_t r0,
+                                                             int64_t r1) {
+    const int64_t N = j->op->info.out_channels;
+    const __m512 lowest = _mm512_set1_ps(j->op->info.activation == MPT_ACT_RELU ? 0.0f
+                                                                                : -INFINITY);
+    const float *wscale = j->op->wscale, *bias = j->op->bias;
+    int64_t r, c;
+    for (r = r0; r < r1; r++) {
+        const int32_t *acc = j->acc + r * N;
+        float *y = j->y + r * N;
+        const __m512 s = _mm512_set1_ps(j->row_scale[r]);
+        for (c = 0; c < N; c += 16) {
+            const __mmask16 m = N - c >= 16 ? (__mmask16)0xFFFF
+                                            : (__mmask16)((1u << (N - c)) - 1);
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + c));
+            const __m512 sw = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, wscale + c));
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(a, sw), _mm512_maskz_loadu_ps(m, bias + c));
+            _mm512_mask_storeu_ps(y + c, m, _mm512_max_ps(lowest, v));
+        }
+    }
+}
+#endif
 
 static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
     const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
@@ -32618,6 +32699,12 @@ static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
     const float *MPT__RESTRICT wscale = j->op->wscale, *MPT__RESTRICT bias = j->op->bias;
     int64_t r, c, r1 = MPT__MIN((task + 1) * MPT__Q_TASK_ROWS, j->rows);
     (void)thread;
+#if MPT__X86
+    if (j->avx512) {
+        mpt__q_dequantize_rows_avx512(j, task * MPT__Q_TASK_ROWS, r1);
+        return;
+    }
+#endif
     for (r = task * MPT__Q_TASK_ROWS; r < r1; r++) {
         const int32_t *MPT__RESTRICT acc = j->acc + r * N;
         float *MPT__RESTRICT y = j->y + r * N;
@@ -32636,6 +32723,7 @@ static void mpt__q_symmetric_rows_parallel(mpt_context *ctx, const float *x, int
     mpt__qrows_job j;
     memset(&j, 0, sizeof j);
     j.rows = rows, j.cols = cols, j.x = x, j.q = q, j.scale = scale;
+    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
     mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                       mpt__q_quantize_rows_task, &j);
 }
@@ -32683,6 +32771,7 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
             MPT__CHECK(mpt_qgemm(ctx, &d));
             memset(&j, 0, sizeof j);
             j.op = op, j.rows = rows, j.acc = w->acc, j.row_scale = row_scale, j.y = (float *)y;
+            j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
             mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                               mpt__q_dequantize_rows_task, &j);
             return MPT_OK;

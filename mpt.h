@@ -1305,7 +1305,10 @@ typedef struct mpt_param_info {
 MPTDEF int mpt_model_param_count(const mpt_model *m);
 MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info);
 /* Copies the float32 master weights into the compute-dtype copies the layers
-   read. Call after changing a value tensor by hand. */
+   read, and drops the copies predict keeps packed for its products. Call
+   after changing a value tensor by hand (also in a float32 model, whose
+   layers read the masters themselves: predict would go on with its
+   packed copy). */
 MPTDEF void mpt_model_refresh_weights(mpt_model *m);
 
 /* A training step by hand, in the model's own memory (so also on a GPU):

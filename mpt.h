@@ -1307,7 +1307,10 @@ typedef struct mpt_param_info {
 MPTDEF int mpt_model_param_count(const mpt_model *m);
 MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info);
 /* Copies the float32 master weights into the compute-dtype copies the layers
-   read. Call after changing a value tensor by hand. */
+   read, and drops the copies predict keeps packed for its products. Call
+   after changing a value tensor by hand (also in a float32 model, whose
+   layers read the masters themselves: predict would go on with its
+   packed copy). */
 MPTDEF void mpt_model_refresh_weights(mpt_model *m);
 
 /* A training step by hand, in the model's own memory (so also on a GPU):
@@ -5337,6 +5340,13 @@ struct mpt_model {
     struct mpt__quantized *quantized;    /* NULL; a quantized model's operations */
     struct mpt__qat *qat;                /* NULL; quantization-aware training's
                                             ranges and buffers (@impl-qat)   */
+    /* Predict's weights packed once for the GEMM (@impl-predict): */
+    uint64_t weights_version;            /* advanced wherever the weights may
+                                            change: build, refresh_weights (so
+                                            every load), each update, handing
+                                            out a parameter                  */
+    struct mpt__predict_plan *predict_plan; /* NULL until a predict packs   */
+    int predicting;                      /* a predict's forward passes run  */
 };
 
 /* Where a model's buffers are, for the tensors that show them. */
@@ -5510,7 +5520,9 @@ static void mpt__layer_dz(const mpt__layer *L, const mpt__pass *p, mpt_activatio
    its first training step on a backend that measures its GEMM engines),
    the backend first times each engine on the shape and keeps the faster;
    a shape it cannot time keeps the default engine. */
+static int mpt__predict_gemm(struct mpt_model *m, const mpt_gemm_desc *g); /* @impl-predict */
 static void mpt__layer_gemm(const mpt__pass *p, const mpt_gemm_desc *g, mpt_dtype c_dtype) {
+    if (p->model->predicting && !p->training && mpt__predict_gemm(p->model, g)) return;
     if (p->model->planning && p->be->gemm_plan) (void)p->be->gemm_plan(p->impl, g, c_dtype);
     p->be->gemm(p->impl, g, c_dtype);
 }
@@ -10328,6 +10340,7 @@ MPTDEF mpt_status mpt_model_create(mpt_context *ctx, const mpt_model_desc *desc,
 
 static void mpt__free_update_args(mpt_model *m);
 static void mpt__metric_sums_free(mpt_model *m);
+static void mpt__predict_plan_free(mpt_model *m);
 
 MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt_context *ctx;
@@ -10348,6 +10361,7 @@ MPTDEF void mpt_model_destroy(mpt_model *m) {
     mpt__free(m->ctx, m->shadows);
     mpt__quantized_free(m->ctx, m->quantized);
     mpt__qat_free(m);
+    mpt__predict_plan_free(m);
     mpt__free(ctx, m);
     /* the last model of a context already destroyed frees it */
     if (mpt__context_count_model(ctx, -1) == 0 && ctx->destroyed) mpt__context_free(ctx);
@@ -10801,6 +10815,7 @@ static mpt_status mpt__init_params(mpt_model *m) {
 /* The compute-dtype copies rewritten from the masters. */
 static void mpt__copy_masters(mpt_model *m) {
     int i;
+    m->weights_version++; /* predict packs them again */
     for (i = 0; i < m->n_params; i++) {
         mpt__param *P = &m->params[i];
         if (P->compute != (void *)P->value)
@@ -11431,6 +11446,7 @@ MPTDEF mpt_status mpt_model_param(mpt_model *m, int index, mpt_param_info *info)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "model: parameter %d not in 0..%d",
                          index, m->n_params - 1);
     P = &m->params[index];
+    m->weights_version++; /* its value may be written through info (predict packs again) */
     info->name = P->name;
     info->layer_name = m->layers[P->layer].name;
     info->trainable = P->trainable;
@@ -12208,6 +12224,7 @@ MPTDEF mpt_status mpt_model_sgd_step(mpt_model *m, float learning_rate) {
     u.optimizer.type = MPT_OPTIMIZER_SGD; /* no momentum, decay, L2 or clipping */
     u.optimizer.learning_rate = learning_rate;
     m->be->update(m->impl, &u);
+    m->weights_version++;
     /* the backend reads u's arrays while queueing, not after */
     mpt__free(m->ctx, block);
     return MPT_OK;
@@ -15731,6 +15748,7 @@ static mpt_status mpt__outputs_tally(mpt_model *m, int which, mpt__tally *t) {
 static void mpt__queue_update(mpt_model *m) {
     m->be->grad_stats(m->impl, &m->update);
     m->be->update(m->impl, &m->update);
+    m->weights_version++;
     m->be->loss_scale_update(m->impl, &m->compile.loss_scale, m->state);
     mpt__model_commit(m);
 }
@@ -17451,6 +17469,93 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
    @impl-predict: evaluate, predict, summary, and the summary at the end of fit
    ============================================================================= */
 
+/* ---- predict's weights packed once ---------------------------------------------------
+
+   A float32 Dense (or Conv2D by im2col) packs its kernel, B of its
+   product, into the GEMM's panels on every call from 5 rows (fewer read
+   it in place). Predict packs each such kernel once instead and keeps
+   the panels with the model (mpt__gemm_packed: the same floats, so the
+   same bits), until the weights may have changed: build, refresh_weights
+   (which every load and set of the weights ends with), an update, or a
+   parameter handed out (mpt_model_param) advance m->weights_version,
+   and a plan of another version is dropped. Only on the CPU, for a model
+   without replicas or quantization-aware training, and only for a GEMM
+   whose B is exactly a parameter's float32 compute copy. */
+
+/* Defined below, in @impl-gemm. */
+typedef struct mpt__gemm_packed mpt__gemm_packed;
+static int mpt__gemm_packs_b(mpt_context *ctx, const mpt_gemm_desc *d);
+static mpt__gemm_packed *mpt__gemm_pack_b_whole(mpt_context *ctx, const mpt_gemm_desc *d);
+static int mpt__gemm_packed_fits(mpt_context *ctx, const mpt_gemm_desc *d,
+                                 const mpt__gemm_packed *p);
+static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
+                                const mpt__gemm_packed *p);
+static void mpt__gemm_packed_free(mpt_context *ctx, mpt__gemm_packed *p);
+
+typedef struct mpt__predict_plan {
+    uint64_t version;           /* m->weights_version when packed          */
+    mpt__gemm_packed **packed;  /* [n] parameter i's, or NULL              */
+    int n;                      /* m->n_params when made                   */
+} mpt__predict_plan;
+
+static void mpt__predict_plan_free(mpt_model *m) {
+    int i;
+    if (!m->predict_plan) return;
+    for (i = 0; i < m->predict_plan->n; i++)
+        mpt__gemm_packed_free(m->ctx, m->predict_plan->packed[i]);
+    mpt__free(m->ctx, m->predict_plan->packed);
+    mpt__free(m->ctx, m->predict_plan);
+    m->predict_plan = NULL;
+}
+
+/* Whether predict may keep packed weights for m. */
+static int mpt__predict_may_plan(const mpt_model *m) {
+    return m->be == mpt__cpu_backend() && m->n_replicas == 1 && !m->strategy && !m->qat;
+}
+
+/* g's product on its B packed ahead, if B is a parameter's float32
+   compute copy and the GEMM would pack it; returns whether it ran (no:
+   the caller runs g as always, also when packing cannot allocate). */
+static int mpt__predict_gemm(mpt_model *m, const mpt_gemm_desc *g) {
+    mpt__predict_plan *pl = m->predict_plan;
+    mpt__gemm_packed **e;
+    int i;
+    if (g->trans_b || (g->ab_dtype && g->ab_dtype != MPT_FLOAT32) || g->ldb != g->n ||
+        !mpt__gemm_packs_b(m->ctx, g))
+        return 0;
+    for (i = 0; i < m->n_params; i++)
+        if (m->params[i].compute == g->b && m->params[i].compute_dtype == MPT_FLOAT32 &&
+            m->params[i].count == g->k * g->n)
+            break;
+    if (i == m->n_params) return 0;
+    if (!pl) {
+        pl = (mpt__predict_plan *)mpt__alloc(m->ctx, sizeof *pl);
+        if (!pl) return 0;
+        pl->packed = (mpt__gemm_packed **)mpt__alloc(m->ctx, sizeof *pl->packed *
+                                                                 (size_t)m->n_params);
+        if (!pl->packed) {
+            mpt__free(m->ctx, pl);
+            return 0;
+        }
+        memset(pl->packed, 0, sizeof *pl->packed * (size_t)m->n_params);
+        pl->n = m->n_params;
+        pl->version = m->weights_version;
+        m->predict_plan = pl;
+    }
+    if (pl->version != m->weights_version || pl->n != m->n_params) {
+        mpt__predict_plan_free(m); /* stale: packed again from the weights as they are */
+        return mpt__predict_gemm(m, g);
+    }
+    e = &pl->packed[i];
+    if (*e && !mpt__gemm_packed_fits(m->ctx, g, *e)) {
+        mpt__gemm_packed_free(m->ctx, *e);
+        *e = NULL;
+    }
+    if (!*e && !(*e = mpt__gemm_pack_b_whole(m->ctx, g))) return 0;
+    mpt__gemm_on_packed(m->ctx, g, *e);
+    return 1;
+}
+
 /* ---- evaluate, predict --------------------------------------------------------------- */
 
 MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
@@ -17548,7 +17653,9 @@ static mpt_status mpt__predict(mpt_model *m, const mpt_dataset *data, int64_t ba
         mpt__loader_inputs(loader, m->batch_in);
         s = mpt__input_on_backend(m, &x, &in);
         if (s != MPT_OK) break;
+        m->predicting = mpt__predict_may_plan(m);
         mpt__model_forward(m, &in, 0);
+        m->predicting = 0;
         for (k = 0; s == MPT_OK && k < n_out; k++) {
             const mpt__layer *L = mpt__output_layer(m, k);
             s = mpt__output_to_host(m, L, (float *)outs[k].data + done * L->out_count,
@@ -22713,6 +22820,7 @@ static void mpt__profile_update_by_layer(mpt__profile *P, mpt_model *m) {
         u.accum = all->accum ? all->accum + k : NULL;
         u.count = all->count + k;
         m->be->update(m->impl, &u);
+        m->weights_version++;
         mpt__profile_mark(P, MPT__PROF_UPDATE, layer);
         k += n;
     }
@@ -26933,6 +27041,11 @@ typedef struct mpt__gemm_job {
     int64_t kc, nc;    /* depth block, column block                   */
     int64_t task_rows, task_cols, tasks_n; /* the task grid           */
     float alpha;
+    /* B packed whole ahead (mpt__gemm_packed), or NULL: packed by each
+       task into its scratch. Depth block pc lies at bpre + pc·bpre_cols,
+       its panel of columns j at + j·kb, as the task would pack it. */
+    const float *bpre;
+    int64_t bpre_cols;
 } mpt__gemm_job;
 
 /* -----------------------------------------------------------------------------
@@ -27005,6 +27118,7 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     mpt__gemm_job bjob = *job; /* B packed from its own dtype */
     bjob.dtype = job->b_dtype;
     if (i0 >= i1 || j0 >= j1) return;
+    if (job->bpre) bpack = NULL; /* read where it was packed ahead */
     for (jc = j0; jc < j1; jc += job->nc) {
         const int64_t nb = MPT__MIN(job->nc, j1 - jc);
         for (pc = 0; pc < d->k; pc += job->kc) {
@@ -27017,8 +27131,9 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
             e.load_c = !first || d->beta != 0;
             e.relu = last && d->activation == MPT_ACT_RELU;
             /* Pack the B block: panels of nr columns, the last one nr/2
-               wide when that is enough. */
-            for (jr = 0; jr < nb; jr += nr) {
+               wide when that is enough (or find it packed ahead). */
+            const float *bblock = job->bpre ? job->bpre + pc * job->bpre_cols + jc * kb : bpack;
+            for (jr = 0; !job->bpre && jr < nb; jr += nr) {
                 int w = nb - jr <= nr / 2 ? nr / 2 : nr;
                 int lanes = (int)MPT__MIN(nr, nb - jr);
                 mpt__gemm_pack(&bjob, bpack + jr * kstore, w, d->b, (jc + jr) * b_ls + pc * b_ks,
@@ -27032,7 +27147,7 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
                     int n = (int)MPT__MIN(nr, nb - jr);
                     float *c = d->c + ir * d->ldc + jc + jr;
                     e.bias = last && d->bias ? d->bias + jc + jr : NULL;
-                    job->kernel(kb, apack, bpack + jr * kstore, w, c, d->ldc, mb, n, &e);
+                    job->kernel(kb, apack, bblock + jr * kstore, w, c, d->ldc, mb, n, &e);
                     if (last && d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU) {
                         int i;
                         for (i = 0; i < mb; i++)
@@ -27135,16 +27250,11 @@ static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
 }
 #endif
 
-/* The product with B in b_dtype: MPT_DTYPE_DEFAULT for ab_dtype, or
-   MPT_FLOAT16 under a float32 A (mpt__gemm_half_b). */
-static void mpt__gemm_typed(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dtype b_dtype) {
+/* The job of a product with B in b_dtype: its path, micro-tile and
+   blocks, chosen from the CPU's features and the dtypes alone. */
+static void mpt__gemm_job_init(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dtype b_dtype,
+                               mpt__gemm_job *job_out) {
     mpt__gemm_job job;
-    int64_t tasks_m;
-    if (d->m <= 0 || d->n <= 0) return;
-    if (d->k <= 0 || d->alpha_is_zero) {
-        mpt__gemm_scale_c(ctx->cpu, d);
-        return;
-    }
     memset(&job, 0, sizeof job);
     job.d = d;
     job.ctx = ctx;
@@ -27176,6 +27286,20 @@ static void mpt__gemm_typed(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dtype 
 #endif
     job.kc = mpt__gemm_depth_block(d->k);
     job.nc = MPT__GEMM_NC;
+    *job_out = job;
+}
+
+/* The product with B in b_dtype: MPT_DTYPE_DEFAULT for ab_dtype, or
+   MPT_FLOAT16 under a float32 A (mpt__gemm_half_b). */
+static void mpt__gemm_typed(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dtype b_dtype) {
+    mpt__gemm_job job;
+    int64_t tasks_m;
+    if (d->m <= 0 || d->n <= 0) return;
+    if (d->k <= 0 || d->alpha_is_zero) {
+        mpt__gemm_scale_c(ctx->cpu, d);
+        return;
+    }
+    mpt__gemm_job_init(ctx, d, b_dtype, &job);
 #if MPT__X86
     if (mpt__gemm_few_rows(&job)) {
         mpt__gemm_few_rows_run(&job);
@@ -27196,6 +27320,111 @@ static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
    are those of the product with B widened first, without that copy. */
 static void mpt__gemm_half_b(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt__gemm_typed(ctx, d, MPT_FLOAT16);
+}
+
+/* ---- B packed once: constant weights, many products ---------------------------------- *
+
+   A float32 B (K×N, not transposed) packed whole, in the panels each task
+   of mpt__gemm_task would pack into its scratch: depth blocks of the
+   product's kc, panels of nr columns, the last nr/2 wide where that is
+   enough. A task's panels start at multiples of nr and end at N or at a
+   multiple of nr, so a panel's width and lanes depend on its first column
+   alone and the panels packed here hold the same floats a task packs;
+   the kernels then run on the same operands in the same order, and C has
+   the same bits as mpt__gemm's. Products that do not pack B (at most
+   MPT__GEMM_FEW_ROWS rows on the AVX-512 path) run as mpt__gemm does. */
+struct mpt__gemm_packed { /* the typedef is with @impl-predict's declarations */
+    const void *b;          /* the B packed, (k, n) float32 with ldb    */
+    int64_t k, n, ldb;
+    mpt__gemm_path path;    /* the layout's path and blocks             */
+    int64_t kc, cols;       /* cols: n rounded up to whole panels       */
+    float *panels;          /* (k, cols), see mpt__gemm_job.bpre        */
+};
+
+/* Whether mpt__gemm packs d's B (float32): not where the product is
+   empty or reads B in place (mpt__gemm_few_rows). */
+static int mpt__gemm_packs_b(mpt_context *ctx, const mpt_gemm_desc *d) {
+    mpt__gemm_job job;
+    if (d->m <= 0 || d->n <= 0 || d->k <= 0 || d->alpha_is_zero) return 0;
+    mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
+#if MPT__X86
+    if (mpt__gemm_few_rows(&job)) return 0;
+#endif
+    return !job.pairs;
+}
+
+/* Whether p holds d's B for ctx's kernels. */
+static int mpt__gemm_packed_fits(mpt_context *ctx, const mpt_gemm_desc *d,
+                                 const mpt__gemm_packed *p) {
+    mpt__gemm_job job;
+    if (d->trans_b || (d->ab_dtype && d->ab_dtype != MPT_FLOAT32) || d->b != p->b ||
+        d->k != p->k || d->n != p->n || d->ldb != p->ldb)
+        return 0;
+    mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
+    return job.path == p->path && job.kc == p->kc && !job.pairs;
+}
+
+static void mpt__gemm_packed_free(mpt_context *ctx, mpt__gemm_packed *p) {
+    if (!p) return;
+    mpt__free(ctx, p->panels);
+    mpt__free(ctx, p);
+}
+
+/* d's B (float32, not transposed, k and n > 0) packed, from ctx's
+   allocator (mpt__gemm_packed_free); NULL when it cannot allocate. */
+static mpt__gemm_packed *mpt__gemm_pack_b_whole(mpt_context *ctx, const mpt_gemm_desc *d) {
+    mpt__gemm_job job;
+    mpt__gemm_packed *p;
+    int64_t pc, j, floats;
+    if (d->trans_b || (d->ab_dtype && d->ab_dtype != MPT_FLOAT32) || d->k <= 0 || d->n <= 0)
+        return NULL;
+    mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
+    if (job.pairs) return NULL;
+    p = (mpt__gemm_packed *)mpt__alloc(ctx, sizeof *p);
+    if (!p) return NULL;
+    memset(p, 0, sizeof *p);
+    p->b = d->b, p->k = d->k, p->n = d->n, p->ldb = d->ldb;
+    p->path = job.path, p->kc = job.kc;
+    p->cols = (d->n + job.nr - 1) / job.nr * job.nr;
+    if (!mpt__mul_ok(p->cols, d->k, &floats) || (uint64_t)floats > SIZE_MAX / sizeof(float) ||
+        !(p->panels = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)floats))) {
+        mpt__gemm_packed_free(ctx, p);
+        return NULL;
+    }
+    for (pc = 0; pc < d->k; pc += job.kc) {
+        const int64_t kb = MPT__MIN(job.kc, d->k - pc);
+        for (j = 0; j < d->n; j += job.nr) {
+            const int w = d->n - j <= job.nr / 2 ? job.nr / 2 : job.nr;
+            const int lanes = (int)MPT__MIN(job.nr, d->n - j);
+            mpt__gemm_pack(&job, p->panels + pc * p->cols + j * kb, w, d->b, j + pc * d->ldb, 1,
+                           d->ldb, lanes, kb);
+        }
+    }
+    return p;
+}
+
+/* d's product on B packed in p (mpt__gemm_packed_fits): the bits of
+   mpt__gemm(ctx, d). */
+static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
+                                const mpt__gemm_packed *p) {
+    mpt__gemm_job job;
+    int64_t tasks_m;
+    if (d->m <= 0 || d->n <= 0 || d->k <= 0 || d->alpha_is_zero) {
+        mpt__gemm(ctx, d);
+        return;
+    }
+    mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
+#if MPT__X86
+    if (mpt__gemm_few_rows(&job)) { /* B read in place: nothing to gain */
+        mpt__gemm_few_rows_run(&job);
+        return;
+    }
+#endif
+    job.bpre = p->panels;
+    job.bpre_cols = p->cols;
+    mpt__gemm_plan_tasks(&job, ctx->num_threads);
+    tasks_m = (d->m + job.task_rows - 1) / job.task_rows;
+    mpt__parallel_for(ctx, tasks_m * job.tasks_n, mpt__gemm_task, &job);
 }
 
 /* -----------------------------------------------------------------------------
@@ -32638,6 +32867,61 @@ static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, in
     }
 }
 
+#if MPT__X86
+#if defined(__GNUC__) && !defined(__clang__)
+/* g++ 12 reports the "undefined" vectors in its AVX-512 headers as
+   uninitialized once inlined here, as @impl-convert says. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+/* mpt__q_symmetric_rows in AVX-512, the same bits: the same max (order
+   does not change a max; a NaN never wins, as there), the same one
+   product x·inv, truncation and the same half-way test as
+   mpt__q_round_small, 16 elements a step; the tail under a mask. */
+MPT__TARGET_AVX512 static void mpt__q_symmetric_rows_avx512(const float *x, int64_t rows,
+                                                            int64_t cols, int8_t *q,
+                                                            float *scale) {
+    const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
+    const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    const __m512i one = _mm512_set1_epi32(1);
+    int64_t r, c;
+    for (r = 0; r < rows; r++, x += cols, q += cols) {
+        __m512 lane = _mm512_setzero_ps(), vinv;
+        float amax, inv;
+        for (c = 0; c < cols; c += 16) {
+            const __mmask16 m = cols - c >= 16 ? (__mmask16)0xFFFF
+                                               : (__mmask16)((1u << (cols - c)) - 1);
+            const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + c));
+            lane = _mm512_max_ps(a, lane); /* a NaN: lane kept */
+        }
+        amax = _mm512_reduce_max_ps(lane);
+        scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
+        inv = amax > 0 ? 127.0f / amax : 0.0f;
+        if (!(amax < INFINITY)) { /* inf: the scalar path, which saturates */
+            mpt__q_symmetric_rows(x, 1, cols, q, scale + r);
+            continue;
+        }
+        vinv = _mm512_set1_ps(inv);
+        for (c = 0; c < cols; c += 16) {
+            const __mmask16 m = cols - c >= 16 ? (__mmask16)0xFFFF
+                                               : (__mmask16)((1u << (cols - c)) - 1);
+            const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + c), vinv);
+            __m512i i = _mm512_cvttps_epi32(v);
+            const __m512 frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+            i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(frac, half, _CMP_GE_OQ), i, one);
+            i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(frac, minus_half, _CMP_LE_OQ), i,
+                                      one);
+            i = _mm512_min_epi32(_mm512_max_epi32(i, lo), hi);
+            _mm512_mask_cvtepi32_storeu_epi8(q + c, m, i);
+        }
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
 /* Rows of a dynamic product, MPT__Q_TASK_ROWS a task (each row alone, so
    any thread count gives the same): quantized before it, or dequantized
    after it, y = acc · row_scale · w_scale[c] + bias[c], then ReLU. */
@@ -32652,14 +32936,60 @@ typedef struct mpt__qrows_job {
     const int32_t *acc;      /* dequantize: (rows, N)                         */
     const float *row_scale;  /* dequantize: (rows)                            */
     float *y;                /* dequantize: (rows, N)                         */
+    int avx512;              /* the context has AVX-512                       */
 } mpt__qrows_job;
 
 static void mpt__q_quantize_rows_task(void *arg, int64_t task, int thread) {
     const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
     int64_t r0 = task * MPT__Q_TASK_ROWS, n = MPT__MIN(MPT__Q_TASK_ROWS, j->rows - r0);
     (void)thread;
+#if MPT__X86
+    if (j->avx512) {
+        mpt__q_symmetric_rows_avx512(j->x + r0 * j->cols, n, j->cols, j->q + r0 * j->cols,
+                                     j->scale + r0);
+        return;
+    }
+#endif
     mpt__q_symmetric_rows(j->x + r0 * j->cols, n, j->cols, j->q + r0 * j->cols, j->scale + r0);
 }
+
+#if MPT__X86
+#if defined(__GNUC__) && !defined(__clang__)
+/* g++ 12 reports the "undefined" vectors in its AVX-512 headers as
+   uninitialized once inlined here, as @impl-convert says. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+/* Rows r0 to r1 of mpt__q_dequantize_rows_task in AVX-512, the same bits:
+   the same two products and sum, each rounded once (ISO C builds do not
+   contract them), and the floor as `v < lowest ? lowest : v` (max with v
+   second keeps a NaN and the sign of a zero). */
+MPT__TARGET_AVX512 static void mpt__q_dequantize_rows_avx512(const mpt__qrows_job *j, int64_t r0,
+                                                             int64_t r1) {
+    const int64_t N = j->op->info.out_channels;
+    const __m512 lowest = _mm512_set1_ps(j->op->info.activation == MPT_ACT_RELU ? 0.0f
+                                                                                : -INFINITY);
+    const float *wscale = j->op->wscale, *bias = j->op->bias;
+    int64_t r, c;
+    for (r = r0; r < r1; r++) {
+        const int32_t *acc = j->acc + r * N;
+        float *y = j->y + r * N;
+        const __m512 s = _mm512_set1_ps(j->row_scale[r]);
+        for (c = 0; c < N; c += 16) {
+            const __mmask16 m = N - c >= 16 ? (__mmask16)0xFFFF
+                                            : (__mmask16)((1u << (N - c)) - 1);
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(m, acc + c));
+            const __m512 sw = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, wscale + c));
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(a, sw), _mm512_maskz_loadu_ps(m, bias + c));
+            _mm512_mask_storeu_ps(y + c, m, _mm512_max_ps(lowest, v));
+        }
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
 
 static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
     const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
@@ -32668,6 +32998,12 @@ static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
     const float *MPT__RESTRICT wscale = j->op->wscale, *MPT__RESTRICT bias = j->op->bias;
     int64_t r, c, r1 = MPT__MIN((task + 1) * MPT__Q_TASK_ROWS, j->rows);
     (void)thread;
+#if MPT__X86
+    if (j->avx512) {
+        mpt__q_dequantize_rows_avx512(j, task * MPT__Q_TASK_ROWS, r1);
+        return;
+    }
+#endif
     for (r = task * MPT__Q_TASK_ROWS; r < r1; r++) {
         const int32_t *MPT__RESTRICT acc = j->acc + r * N;
         float *MPT__RESTRICT y = j->y + r * N;
@@ -32686,6 +33022,7 @@ static void mpt__q_symmetric_rows_parallel(mpt_context *ctx, const float *x, int
     mpt__qrows_job j;
     memset(&j, 0, sizeof j);
     j.rows = rows, j.cols = cols, j.x = x, j.q = q, j.scale = scale;
+    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
     mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                       mpt__q_quantize_rows_task, &j);
 }
@@ -32733,6 +33070,7 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
             MPT__CHECK(mpt_qgemm(ctx, &d));
             memset(&j, 0, sizeof j);
             j.op = op, j.rows = rows, j.acc = w->acc, j.row_scale = row_scale, j.y = (float *)y;
+            j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
             mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                               mpt__q_dequantize_rows_task, &j);
             return MPT_OK;

@@ -3,7 +3,8 @@ mode on the same weights, then asked in turn (the order swapped every
 round, so a shared host's load falls on both alike) for REPS predicts of
 each variant at batch 1 and at --batch-size. Prints one JSON line per
 variant and batch: each build's median over rounds of its per-round median,
-and the median over rounds of old/new (above 1: the new build is faster).
+and the median over rounds of old/new (above 1: the new build is faster)
+with its range over rounds.
 
     gcc -std=c99 -O2 -I. bench/bench_predict.c -o build/bp_new -lpthread -lm -lz
     (the same at the older commit into build/bp_old)
@@ -60,12 +61,13 @@ def main():
         old, new = got[(v, b, "old")], got[(v, b, "new")]
         if None in old or None in new:
             continue
+        ratios = [o / n for o, n in zip(old, new)]
         print(json.dumps({"bench": "ab_predict", "model": args.model, "variant": v, "batch": b,
                           "rounds": args.rounds, "calls_per_round": args.reps1 if b == 1 else args.reps,
                           "old_median_ms": round(1e3 * statistics.median(old), 4),
                           "new_median_ms": round(1e3 * statistics.median(new), 4),
-                          "old_over_new": round(statistics.median(
-                              [o / n for o, n in zip(old, new)]), 3)}))
+                          "old_over_new": round(statistics.median(ratios), 3),
+                          "old_over_new_range": [round(min(ratios), 3), round(max(ratios), 3)]}))
 
 
 if __name__ == "__main__":

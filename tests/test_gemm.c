@@ -491,6 +491,172 @@ static void test_half_b(void) {
 }
 
 /* Bad arguments: a status and a message that names the value. */
+/* A float32 B packed once (mpt__gemm_pack_b_whole, as predict keeps a
+   Dense's kernel) gives the bits of the product that packs it each call:
+   depths of one and several blocks, column tails of a full and a half
+   panel, rows below and above the few-rows path, both A layouts, every
+   epilogue, 1 to 3 threads, on every path. */
+static void test_packed_b(void) {
+    static const struct { int64_t m, n, k; } shapes[] = {
+        {5, 10, 7}, {12, 32, 1}, {13, 16, 8}, {40, 33, 513}, {128, 1024, 784},
+        {100, 100, 1100}, {29, 47, 1025}, {3, 40, 50}, {64, 600, 96},
+    };
+    int pi, si, t, bad, cases;
+    for (pi = 0; pi < N_PATHS; pi++) {
+        mpt_context *ctx[3];
+        int have;
+        if (pi == 3) continue; /* f16c: no float16 here */
+        for (t = 0; t < 3; t++) ctx[t] = path_ctx(t + 1, paths[pi].disable);
+        have = ctx[0] && (mpt_context_cpu_features(ctx[0]) & paths[pi].needs) == paths[pi].needs;
+        test__begin();
+        if (!have) SKIP("this CPU lacks the path");
+        bad = cases = 0;
+        for (si = 0; have && si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
+            const int64_t m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
+            float *a = (float *)malloc(sizeof(float) * (size_t)(m * k));
+            float *b = (float *)malloc(sizeof(float) * (size_t)(k * n));
+            float *bias = (float *)malloc(sizeof(float) * (size_t)n);
+            float *c0 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+            float *c1 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+            mpt__gemm_packed *p;
+            mpt_gemm_desc d;
+            int64_t i;
+            int v;
+            test_seed(300 + (unsigned)si);
+            for (i = 0; i < m * k; i++) a[i] = (float)test_uniform(-1, 1);
+            for (i = 0; i < k * n; i++) b[i] = (float)test_uniform(-1, 1);
+            for (i = 0; i < n; i++) bias[i] = (float)test_uniform(-1, 1);
+            memset(&d, 0, sizeof d);
+            d.m = m, d.n = n, d.k = k, d.b = b, d.ldb = n, d.c = c0, d.ldc = n;
+            p = mpt__gemm_pack_b_whole(ctx[0], &d);
+            CHECK(p != NULL, "%lldx%lldx%lld: packing failed", (long long)m, (long long)n,
+                  (long long)k);
+            for (v = 0; p && v < 4; v++)
+                for (t = 0; t < 3; t++) {
+                    /* v: A as is, bias + relu; A transposed, alpha and beta; sigmoid */
+                    d.trans_a = v == 1, d.a = a, d.lda = v == 1 ? m : k;
+                    d.bias = v == 0 || v == 3 ? bias : NULL;
+                    d.activation = v == 0 ? MPT_ACT_RELU : v == 3 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
+                    d.alpha = v == 1 ? 0.75f : 0.0f, d.beta = v == 2 ? -0.5f : 0.0f;
+                    for (i = 0; i < m * n; i++) c0[i] = c1[i] = (float)(i % 13) * 0.25f;
+                    d.c = c0;
+                    mpt__gemm(ctx[t], &d);
+                    d.c = c1;
+                    CHECK(mpt__gemm_packed_fits(ctx[t], &d, p), "the packing does not fit");
+                    mpt__gemm_on_packed(ctx[t], &d, p);
+                    bad += memcmp(c0, c1, sizeof(float) * (size_t)(m * n)) != 0;
+                    cases++;
+                }
+            /* only the AVX-512 path reads B in place, for at most 4 rows */
+            CHECK(!p || mpt__gemm_packs_b(ctx[0], &d) ==
+                            (m > 4 || !(mpt_context_cpu_features(ctx[0]) & MPT_CPU_AVX512)),
+                  "%lld rows: whether B is packed", (long long)m);
+            mpt__gemm_packed_free(ctx[0], p);
+            free(a), free(b), free(bias), free(c0), free(c1);
+        }
+        CHECK(bad == 0, "%d of %d products on B packed ahead differ", bad, cases);
+        test__end("gemm on B packed ahead bit-identical to packing it each call, %s",
+                  paths[pi].name);
+        for (t = 0; t < 3; t++) mpt_context_destroy(ctx[t]);
+    }
+}
+
+/* Predict keeps a float32 Dense's kernel packed (mpt__predict_gemm) only
+   while the weights stay as they were: after each way they can change
+   (a fit, sgd_step, a value set by hand then refresh_weights, a weights
+   file, a checkpoint) the model predicts what a fresh model given the
+   same weights predicts, bit for bit. */
+enum { PLAN_FEATURES = 40, PLAN_SAMPLES = 64, PLAN_BATCH = 32 };
+
+static mpt_model *plan_model(mpt_context *c, uint64_t seed) {
+    classifier_desc cd;
+    mpt_model *m;
+    memset(&cd, 0, sizeof cd);
+    cd.features = PLAN_FEATURES, cd.hidden = 72, cd.classes = 10, cd.seed = seed;
+    m = small_classifier(c, &cd);
+    if (m) CHECK(mpt_model_build(m, PLAN_BATCH) == MPT_OK, "build: %s", mpt_context_error(c));
+    return m;
+}
+
+/* m predicts on d what a fresh model with m's weights (through a file,
+   which reads them without touching m's version) predicts; a second
+   predict keeps the same packed weights. */
+static void plan_expect_fresh(mpt_context *c, mpt_model *m, mpt_dataset *d, const char *after) {
+    const char *path = "build/test_gemm_plan_fresh.safetensors";
+    mpt_model *fresh = plan_model(c, 99);
+    mpt_tensor pa, pb;
+    uint64_t version;
+    int64_t i = 0;
+    memset(&pa, 0, sizeof pa), memset(&pb, 0, sizeof pb);
+    CHECK(mpt_model_predict(m, d, PLAN_BATCH, &pa) == MPT_OK, "predict: %s", mpt_context_error(c));
+    CHECK(m->predict_plan != NULL, "after %s: predict kept no packed weights", after);
+    version = m->predict_plan ? m->predict_plan->version : 0;
+    CHECK(mpt_model_save_weights(m, path) == MPT_OK, "save: %s", mpt_context_error(c));
+    CHECK(fresh && mpt_model_load_weights(fresh, path) == MPT_OK, "load: %s",
+          mpt_context_error(c));
+    CHECK(fresh && mpt_model_predict(fresh, d, PLAN_BATCH, &pb) == MPT_OK, "predict: %s",
+          mpt_context_error(c));
+    for (; pa.data && pb.data && i < mpt_tensor_count(&pa); i++)
+        if (((const float *)pa.data)[i] != ((const float *)pb.data)[i]) break;
+    CHECK(pa.data && pb.data && i == mpt_tensor_count(&pa),
+          "after %s: prediction %lld differs from a fresh model's", after, (long long)i);
+    mpt_tensor_free(c, &pa), mpt_tensor_free(c, &pb);
+    CHECK(mpt_model_predict(m, d, PLAN_BATCH, &pa) == MPT_OK, "predict: %s", mpt_context_error(c));
+    CHECK(m->predict_plan && m->predict_plan->version == version && version == m->weights_version,
+          "after %s: a predict on unchanged weights packed them again", after);
+    mpt_tensor_free(c, &pa);
+    mpt_model_destroy(fresh);
+    remove(path);
+}
+
+static void test_predict_plan(void) {
+    mpt_context *c = path_ctx(2, 0);
+    static float x[PLAN_SAMPLES * PLAN_FEATURES];
+    static int32_t y[PLAN_SAMPLES];
+    const char *wpath = "build/test_gemm_plan.safetensors", *cpath = "build/test_gemm_plan.ckpt";
+    mpt_model *m, *other;
+    mpt_dataset *d;
+    mpt_fit_desc f = fit_for(1, PLAN_BATCH);
+    mpt_param_info info;
+    int64_t i;
+    test__begin();
+    if (!c) {
+        CHECK(0, "context creation failed");
+        test__end("predict's packed weights follow every change of the weights");
+        return;
+    }
+    test_seed(4242);
+    for (i = 0; i < PLAN_SAMPLES * PLAN_FEATURES; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < PLAN_SAMPLES; i++) y[i] = (int32_t)(i % 10);
+    d = test_dataset_xy(c, x, y, PLAN_SAMPLES, PLAN_FEATURES);
+    m = plan_model(c, 1);
+    other = plan_model(c, 2);
+    if (d && m && other) {
+        plan_expect_fresh(c, m, d, "build");
+        CHECK(mpt_model_save_checkpoint(m, cpath) == MPT_OK, "checkpoint: %s", mpt_context_error(c));
+        CHECK(mpt_model_fit(m, d, &f) == MPT_OK, "fit: %s", mpt_context_error(c));
+        plan_expect_fresh(c, m, d, "fit");
+        CHECK(mpt_model_sgd_step(m, 0.5f) == MPT_OK, "sgd_step: %s", mpt_context_error(c));
+        plan_expect_fresh(c, m, d, "sgd_step");
+        mpt_model_param(m, 0, &info); /* taken before a predict, written after it */
+        plan_expect_fresh(c, m, d, "taking a parameter");
+        for (i = 0; i < mpt_tensor_count(&info.value); i++) ((float *)info.value.data)[i] *= -1;
+        mpt_model_refresh_weights(m);
+        plan_expect_fresh(c, m, d, "refresh_weights");
+        CHECK(mpt_model_fit(other, d, &f) == MPT_OK, "fit: %s", mpt_context_error(c));
+        CHECK(mpt_model_save_weights(other, wpath) == MPT_OK, "save: %s", mpt_context_error(c));
+        CHECK(mpt_model_load_weights(m, wpath) == MPT_OK, "load: %s", mpt_context_error(c));
+        plan_expect_fresh(c, m, d, "load_weights");
+        CHECK(mpt_model_load_checkpoint(m, cpath) == MPT_OK, "load: %s", mpt_context_error(c));
+        plan_expect_fresh(c, m, d, "load_checkpoint");
+    }
+    remove(wpath), remove(cpath);
+    mpt_model_destroy(m), mpt_model_destroy(other);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(c);
+    test__end("predict's packed weights follow every change of the weights");
+}
+
 static void expect_error(mpt_context *ctx, const mpt_gemm_desc *d, mpt_status want,
                          const char *needle, const char *what) {
     mpt_status s = mpt_gemm(ctx, d);
@@ -552,5 +718,7 @@ int main(void) {
     test_determinism();
     test_few_rows();
     test_half_b();
+    test_packed_b();
+    test_predict_plan();
     return test_summary("test_gemm");
 }

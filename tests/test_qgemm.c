@@ -409,6 +409,86 @@ static void test_few_rows(void) {
     }
 }
 
+/* The dynamic-range model's activations quantized (mpt__q_symmetric_rows)
+   and its products dequantized (mpt__q_dequantize_rows_task) in AVX-512
+   give the portable loops' bits: row lengths on both sides of 16 (the
+   masked tail), values that land exactly half-way between two integers
+   after the scaling (ties away from zero), zeros, rows of zeros, a NaN
+   (never the max) and an inf (the scalar path); outputs with and without
+   ReLU, zero and negative-zero sums. */
+static void test_dynamic_rows(void) {
+    static const int64_t lens[] = {1, 5, 15, 16, 17, 31, 33, 100, 784};
+    mpt_context *ctx = path_ctx(1, 0);
+    int li, r, bad = 0, cases = 0;
+    test__begin();
+    if (!ctx) CHECK(0, "context creation failed");
+    else if (!(mpt_context_cpu_features(ctx) & MPT_CPU_AVX512)) SKIP("this CPU lacks AVX-512");
+    else {
+#if MPT__X86
+        test_seed(77);
+        for (li = 0; li < 9; li++)
+            for (r = 0; r < 6; r++) {
+                const int64_t n = lens[li];
+                float *x = (float *)malloc((size_t)n * 4), s0, s1;
+                int8_t *q0 = (int8_t *)malloc((size_t)n), *q1 = (int8_t *)malloc((size_t)n);
+                int64_t c;
+                for (c = 0; c < n; c++)
+                    /* multiples of 1/2 of a max 127: x·inv lands on every tie */
+                    x[c] = r == 0 ? 0.0f : (float)test_randint(-254, 254) * 0.5f;
+                if (r >= 1 && r <= 3) x[test_randint(0, (int)n - 1)] = 127.0f;
+                if (r == 2) x[n - 1] = NAN;
+                if (r == 3 && n > 1) x[0] = -0.0f;
+                if (r == 4) x[test_randint(0, (int)n - 1)] = -INFINITY;
+                if (r == 5)
+                    for (c = 0; c < n; c++) x[c] = (float)test_uniform(-3e-3, 3e-3);
+                memset(q0, 0x5a, (size_t)n), memset(q1, 0x5a, (size_t)n);
+                mpt__q_symmetric_rows(x, 1, n, q0, &s0);
+                mpt__q_symmetric_rows_avx512(x, 1, n, q1, &s1);
+                bad += memcmp(&s0, &s1, 4) != 0 || memcmp(q0, q1, (size_t)n) != 0;
+                cases++;
+                free(x), free(q0), free(q1);
+            }
+        CHECK(bad == 0, "%d of %d rows quantized differently in AVX-512", bad, cases);
+        for (li = 0; li < 9; li++)
+            for (r = 0; r < 2; r++) {
+                const int64_t n = lens[li], rows = 3;
+                int32_t *acc = (int32_t *)malloc((size_t)(rows * n) * 4);
+                float *ws = (float *)malloc((size_t)n * 4), *bias = (float *)malloc((size_t)n * 4);
+                float *y0 = (float *)malloc((size_t)(rows * n) * 4);
+                float *y1 = (float *)malloc((size_t)(rows * n) * 4);
+                float row_scale[3] = {0.013f, 1.0f, 7.5e-4f};
+                mpt__qop op;
+                mpt__qrows_job j;
+                int64_t c;
+                memset(&op, 0, sizeof op);
+                op.info.out_channels = n;
+                op.info.activation = r ? MPT_ACT_RELU : MPT_ACT_NONE;
+                op.wscale = ws, op.bias = bias;
+                for (c = 0; c < n; c++) {
+                    ws[c] = (float)test_uniform(1e-4, 1e-2);
+                    bias[c] = c % 5 == 0 ? -0.0f : (float)test_uniform(-1, 1);
+                }
+                for (c = 0; c < rows * n; c++)
+                    acc[c] = c % 7 == 0 ? 0 : test_randint(-2000000, 2000000);
+                memset(&j, 0, sizeof j);
+                j.op = &op, j.rows = rows, j.acc = acc, j.row_scale = row_scale;
+                j.y = y0;
+                mpt__q_dequantize_rows_task(&j, 0, 0);
+                j.y = y1, j.avx512 = 1;
+                mpt__q_dequantize_rows_task(&j, 0, 0);
+                bad += memcmp(y0, y1, (size_t)(rows * n) * 4) != 0;
+                cases++;
+                free(acc), free(ws), free(bias), free(y0), free(y1);
+            }
+        CHECK(bad == 0, "%d cases dequantized differently in AVX-512", bad);
+#else
+        (void)lens, (void)li, (void)r, (void)bad, (void)cases;
+#endif
+    }
+    if (ctx) mpt_context_destroy(ctx);
+    test__end("dynamic int8 rows quantized and dequantized in AVX-512 as the portable loops");
+}
+
 /* Known answers of mpt_quantize_multiplier, derived by hand from
    real = multiplier · 2^(shift − 31), multiplier in [2^30, 2^31). */
 static void test_quantize_multiplier(void) {
@@ -1026,5 +1106,6 @@ int main(void) {
     test_shapes();
     test_large();
     test_few_rows();
+    test_dynamic_rows();
     return test_summary("test_qgemm");
 }

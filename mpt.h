@@ -32868,13 +32868,7 @@ static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, in
 }
 
 #if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers as
-   uninitialized once inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 /* mpt__q_symmetric_rows in AVX-512, the same bits: the same max (order
    does not change a max; a NaN never wins, as there), the same one
    product x·inv, truncation and the same half-way test as
@@ -32917,9 +32911,7 @@ MPT__TARGET_AVX512 static void mpt__q_symmetric_rows_avx512(const float *x, int6
         }
     }
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif
 
 /* Rows of a dynamic product, MPT__Q_TASK_ROWS a task (each row alone, so
@@ -32954,13 +32946,7 @@ static void mpt__q_quantize_rows_task(void *arg, int64_t task, int thread) {
 }
 
 #if MPT__X86
-#if defined(__GNUC__) && !defined(__clang__)
-/* g++ 12 reports the "undefined" vectors in its AVX-512 headers as
-   uninitialized once inlined here, as @impl-convert says. */
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
+MPT__AVX512_QUIET_BEGIN
 /* Rows r0 to r1 of mpt__q_dequantize_rows_task in AVX-512, the same bits:
    the same two products and sum, each rounded once (ISO C builds do not
    contract them), and the floor as `v < lowest ? lowest : v` (max with v
@@ -32986,9 +32972,7 @@ MPT__TARGET_AVX512 static void mpt__q_dequantize_rows_avx512(const mpt__qrows_jo
         }
     }
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+MPT__AVX512_QUIET_END
 #endif
 
 static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {

@@ -422,6 +422,24 @@ static inline void test_weights_of(mpt_model *m, float *w, int64_t size) {
     CHECK(at <= size, "%lld weights, room for %lld", (long long)at, (long long)size);
 }
 
+/* a and b hold the same float32 weights, bit for bit, and at least one:
+   a training repeated (profiled, on more threads) that must not change. */
+static inline int test_same_weights(mpt_model *a, mpt_model *b) {
+    int p, n = mpt_model_param_count(a);
+    if (n < 1 || n != mpt_model_param_count(b)) return 0;
+    for (p = 0; p < n; p++) {
+        mpt_param_info ia, ib;
+        int64_t count;
+        mpt_model_param(a, p, &ia);
+        mpt_model_param(b, p, &ib);
+        count = mpt_tensor_count(&ia.value);
+        if (count != mpt_tensor_count(&ib.value) ||
+            memcmp(ia.value.data, ib.value.data, sizeof(float) * (size_t)count) != 0)
+            return 0;
+    }
+    return 1;
+}
+
 /* a and b predict the same bits on d (batches of batch_size): a model and
    what was loaded from its file. */
 static inline void test_same_predictions(mpt_context *c, mpt_model *a, mpt_model *b,

@@ -89,23 +89,6 @@ static void read_trace(const char *path, trace_read *r) {
     r->ok = pclose(p) == 0;
 }
 
-/* The trained weights of a model, as bytes (malloc'd). */
-static float *weights_of(mpt_model *m, int64_t *n) {
-    float *all = NULL;
-    int i;
-    *n = 0;
-    for (i = 0; i < mpt_model_param_count(m); i++) {
-        mpt_param_info info;
-        int64_t c;
-        mpt_model_param(m, i, &info);
-        c = mpt_tensor_count(&info.value);
-        all = (float *)realloc(all, sizeof(float) * (size_t)(*n + c));
-        memcpy(all + *n, info.value.data, sizeof(float) * (size_t)c);
-        *n += c;
-    }
-    return all;
-}
-
 /* f profiles steps first..last into tmpdir/sub: dir (size bytes), which
    f points to. */
 static void profile_steps(mpt_fit_desc *f, char *dir, size_t size, const char *sub,
@@ -137,8 +120,6 @@ static void test_trace_per_layer(void) {
     char dir[300], prefix[1100], path[1200];
     trace_read r;
     mpt_history h1, h2;
-    float *w1, *w2;
-    int64_t n1, n2;
     int k;
     if (!test_python_imports("json, gzip")) goto done;
     CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
@@ -158,16 +139,11 @@ static void test_trace_per_layer(void) {
     snprintf(path, sizeof path, "%s.layers.txt", prefix);
     CHECK(access(path, R_OK) == 0, "the table %s", path);
     /* training itself is the same, bit for bit */
-    w1 = weights_of(plain, &n1);
-    w2 = weights_of(profiled, &n2);
-    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0,
-          "profiled weights equal the unprofiled run's");
+    CHECK(test_same_weights(plain, profiled), "profiled weights equal the unprofiled run's");
     mpt_model_history(plain, &h1);
     mpt_model_history(profiled, &h2);
     CHECK(h1.epochs == 2 && h2.epochs == 2 && h1.values[0][1] == h2.values[0][1],
           "the same losses (%s: %g vs %g)", h1.keys[0], h1.values[0][1], h2.values[0][1]);
-    free(w1);
-    free(w2);
 done:
     mpt_model_destroy(plain);
     mpt_model_destroy(profiled);
@@ -227,24 +203,17 @@ static void test_accumulation_profiled(void) {
                            .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}};
     mpt_fit_desc f = fit_desc(1);
     char dir[300];
-    float *w1, *w2;
-    int64_t n1, n2;
     CHECK(mpt_model_compile(plain, &cd) == MPT_OK && mpt_model_compile(profiled, &cd) == MPT_OK,
           "compile: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     profile_steps(&f, dir, sizeof dir, "accumulating", 2, 6);
     CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-    w1 = weights_of(plain, &n1);
-    w2 = weights_of(profiled, &n2);
-    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0,
-          "profiled weights differ from the unprofiled run's");
+    CHECK(test_same_weights(plain, profiled), "profiled weights differ from the unprofiled run's");
     CHECK(plain->optimizer_steps == 2 && profiled->optimizer_steps == 2 &&
               plain->accumulated_steps == 1 && profiled->accumulated_steps == 1,
           "7 batches: %lld/%lld updates, %lld/%lld in the sum", (long long)plain->optimizer_steps,
           (long long)profiled->optimizer_steps, (long long)plain->accumulated_steps,
           (long long)profiled->accumulated_steps);
-    free(w1);
-    free(w2);
     mpt_model_destroy(plain);
     mpt_model_destroy(profiled);
     mpt_dataset_destroy(data);
@@ -332,8 +301,7 @@ static void test_conv_mixed_precision(void) {
     mpt_fit_desc f = fit_desc(2); /* 3 steps an epoch */
     char dir[300], prefix[1100];
     trace_read r;
-    float *w1, *w2;
-    int64_t n1, n2, i;
+    int64_t i;
     int k;
     if (!test_python_imports("json, gzip")) return;
     for (i = 0; i < N * 8 * 8 * 2; i++) x[i] = (float)test_uniform(-1, 1);
@@ -358,14 +326,10 @@ static void test_conv_mixed_precision(void) {
         CHECK(strncmp(r.lines[k], want, strlen(want)) == 0, "got '%s', want '%s...'",
               r.lines[k], want);
     }
-    w1 = weights_of(plain, &n1);
-    w2 = weights_of(profiled, &n2);
-    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0 &&
-              plain->loss_scale == profiled->loss_scale && plain->step == profiled->step,
+    CHECK(test_same_weights(plain, profiled) && plain->loss_scale == profiled->loss_scale &&
+              plain->step == profiled->step,
           "profiled weights (moving statistics among them), loss scale and steps equal the "
           "unprofiled run's");
-    free(w1);
-    free(w2);
     mpt_model_destroy(plain);
     mpt_model_destroy(profiled);
     mpt_dataset_destroy(data);

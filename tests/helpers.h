@@ -94,6 +94,24 @@ static inline void test_compile_classifier(mpt_context *c, mpt_model *m) {
     CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
 }
 
+/* Compiles a model of two outputs, a class and a number, as the tests of
+   several outputs do: sparse categorical crossentropy with accuracy, and
+   mean squared error with mean absolute error, their losses weighted 1 and
+   0.5, optimizer o; c is m's context. */
+static inline void test_compile_class_and_number(mpt_context *c, mpt_model *m,
+                                                 mpt_optimizer_desc o) {
+    static const float loss_weights[2] = {1.0f, 0.5f};
+    mpt_compile_desc d;
+    memset(&d, 0, sizeof d);
+    d.optimizer = o;
+    d.losses[0].type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    d.losses[1].type = MPT_LOSS_MEAN_SQUARED_ERROR;
+    d.loss_weights = loss_weights;
+    d.output_metrics[0] = MPT_METRIC_ACCURACY;
+    d.output_metrics[1] = MPT_METRIC_MEAN_ABSOLUTE_ERROR;
+    CHECK(mpt_model_compile(m, &d) == MPT_OK, "compile: %s", mpt_context_error(c));
+}
+
 /* The small classifier the fit tests train on blobs (blobs.h):
    Dense(hidden, relu) [-> Dropout(dropout), when dropout > 0] ->
    Dense(classes, softmax); Adam at 0.01 (an optimizer with state, so that
@@ -624,6 +642,23 @@ static inline double test_weight_diff(const mpt_model *a, const mpt_model *b) {
             den += y * y;
         }
     return sqrt(num / den);
+}
+
+/* Every byte of every parameter and optimizer slot of two models of one
+   architecture, and their step counters and loss scale: the same training,
+   bit for bit; reads the models' private parameters. */
+static inline int test_same_state(const mpt_model *a, const mpt_model *b) {
+    int i, s;
+    if (a->n_params != b->n_params) return 0;
+    for (i = 0; i < a->n_params; i++) {
+        const mpt__param *p = &a->params[i], *q = &b->params[i];
+        if (memcmp(p->value, q->value, sizeof(float) * (size_t)p->count)) return 0;
+        for (s = 0; s < a->n_slots; s++)
+            if (p->slot[s] && memcmp(p->slot[s], q->slot[s], sizeof(float) * (size_t)p->count))
+                return 0;
+    }
+    return a->optimizer_steps == b->optimizer_steps && a->loss_scale == b->loss_scale &&
+           a->step == b->step && a->skipped_steps == b->skipped_steps;
 }
 
 /* Reads architecture JSON text as mpt_model_load reads a file's (parse,

@@ -277,14 +277,8 @@ static void test_keras_reference(void) {
     mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.name = "cls", .units = KC,
                                                               .activation = MPT_ACT_SOFTMAX}));
     mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.name = "reg", .units = 1}));
-    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
-                                   .optimizer = {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f},
-                                   .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                              {.type = MPT_LOSS_MEAN_SQUARED_ERROR}},
-                                   .loss_weights = (const float[]){1.0f, 0.5f},
-                                   .output_metrics = {MPT_METRIC_ACCURACY,
-                                                      MPT_METRIC_MEAN_ABSOLUTE_ERROR}}) == MPT_OK,
-          "compile: %s", mpt_context_error(ctx));
+    test_compile_class_and_number(
+        ctx, m, (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f});
     CHECK(mpt_model_build(m, KN) == MPT_OK, "build: %s", mpt_context_error(ctx));
     keras_weights(m);
     CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = KN}, &logs) == MPT_OK,
@@ -416,15 +410,8 @@ static void test_replicas_match_one(void) {
     reg = mpt_dense(two, h, &(mpt_dense_desc){.name = "reg", .units = 1});
     mpt_model_add_output(two, cls);
     mpt_model_add_output(two, reg);
-    CHECK(mpt_model_compile(two, &(mpt_compile_desc){
-                                     .optimizer = {.type = MPT_OPTIMIZER_ADAM,
-                                                   .learning_rate = 0.01f},
-                                     .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                                {.type = MPT_LOSS_MEAN_SQUARED_ERROR}},
-                                     .loss_weights = (const float[]){1.0f, 0.5f},
-                                     .output_metrics = {MPT_METRIC_ACCURACY,
-                                                        MPT_METRIC_MEAN_ABSOLUTE_ERROR}}) == MPT_OK,
-          "compile: %s", mpt_context_error(ctx));
+    test_compile_class_and_number(
+        ctx, two, (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f});
     CHECK(mpt_model_fit(one, train, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(two, train, &fit) == MPT_OK, "fit on 2 replicas: %s",
           mpt_context_error(ctx));

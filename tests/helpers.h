@@ -403,25 +403,52 @@ static inline int test_main(const test_program *p) {
     return test_summary(p->name);
 }
 
+/* A dataset over the samples of x and the labels y (NULL: none); the
+   tensors' data is borrowed, not copied. */
+static inline mpt_dataset *test_dataset_of(mpt_context *c, const mpt_tensor *x,
+                                           const mpt_tensor *y) {
+    /* no compound literals: tests/test_cuda.c includes this as C++ */
+    mpt_dataset_desc desc;
+    mpt_dataset *d = NULL;
+    memset(&desc, 0, sizeof desc);
+    desc.x = x;
+    desc.y = y;
+    CHECK(mpt_dataset_create(c, &desc, &d) == MPT_OK, "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
 /* A dataset over n samples of x (n × features floats) with the int32 class
    ids y (borrowed, not copied). */
 static inline mpt_dataset *test_dataset_xy(mpt_context *c, float *x, int32_t *y, int64_t n,
                                            int64_t features) {
-    /* no compound literals: tests/test_cuda.c includes this as C++ */
     int64_t x_shape[2], y_shape[1];
     mpt_tensor tx, ty;
-    mpt_dataset_desc desc;
-    mpt_dataset *d = NULL;
     x_shape[0] = n;
     x_shape[1] = features;
     y_shape[0] = n;
     mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, x_shape, x);
     mpt_tensor_wrap(c, &ty, MPT_INT32, 1, y_shape, y);
-    memset(&desc, 0, sizeof desc);
-    desc.x = &tx;
-    desc.y = &ty;
-    CHECK(mpt_dataset_create(c, &desc, &d) == MPT_OK, "dataset: %s", mpt_context_error(c));
-    return d;
+    return test_dataset_of(c, &tx, &ty);
+}
+
+/* The bytes of the file at path (malloc'd, *n of them, and a 0 after them
+   for reading it as text); NULL and *n = -1 where it cannot be read whole. */
+static inline unsigned char *test_read_file(const char *path, long *n) {
+    FILE *f = fopen(path, "rb");
+    unsigned char *buf = NULL;
+    *n = -1;
+    if (!f) return NULL;
+    if (fseek(f, 0, SEEK_END) == 0 && (*n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0)
+        buf = (unsigned char *)malloc((size_t)*n + 1);
+    if (buf && fread(buf, 1, (size_t)*n, f) == (size_t)*n) {
+        buf[*n] = 0;
+    } else {
+        free(buf);
+        buf = NULL;
+        *n = -1;
+    }
+    fclose(f);
+    return buf;
 }
 
 /* Every parameter's float32 values, in the model's order, into w (room

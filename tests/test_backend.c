@@ -1345,12 +1345,9 @@ static mpt_model *attention_model(mpt_context *c) {
 
 static mpt_dataset *attention_dataset(mpt_context *c) {
     mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
     mpt_tensor_wrap(c, &tx, MPT_INT32, 2, (int64_t[]){N, SEQ_T}, seq_x);
     mpt_tensor_wrap(c, &ty, MPT_INT32, 2, (int64_t[]){N, SEQ_T}, seq_y);
-    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(c));
-    return d;
+    return test_dataset_of(c, &tx, &ty);
 }
 
 static void test_fit_attention_matches_the_cpu(void) {

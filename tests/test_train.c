@@ -113,12 +113,9 @@ enum { N_REG = 120, REG_IN = 4, REG_OUT = 2 };
 /* A dataset of float x (n, REG_IN) and float targets (n, REG_OUT). */
 static mpt_dataset *regression_dataset(float *x, float *y, int64_t n) {
     mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
     mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){n, REG_IN}, x);
     mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){n, REG_OUT}, y);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
-    return d;
+    return test_dataset_of(ctx, &tx, &ty);
 }
 
 /* mean_absolute_error, mean_squared_error, root_mean_squared_error and

@@ -14,15 +14,34 @@ static inline void quiet_logger(void *user, mpt_log_level level, const char *msg
     if (level == MPT_LOG_ERROR) count_errors++;
 }
 
-/* A one-thread context for bad-input tests: errors are counted, not printed. */
-static inline mpt_context *quiet_ctx(void) {
-    mpt_context *q;
+static int count_warnings; /* warnings the warning contexts have logged */
+
+static inline void warning_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)msg;
+    if (level == MPT_LOG_WARNING) count_warnings++;
+}
+
+/* A context of `threads` threads (0: the default) that logs to logger. */
+static inline mpt_context *test_ctx_logging(int threads,
+                                            void (*logger)(void *user, mpt_log_level level,
+                                                           const char *msg)) {
+    mpt_context *c = NULL;
     mpt_context_desc d;
     memset(&d, 0, sizeof d);
-    d.logger.fn = quiet_logger;
-    d.num_threads = 1;
-    mpt_context_create(&d, &q);
-    return q;
+    d.logger.fn = logger;
+    d.num_threads = threads;
+    mpt_context_create(&d, &c);
+    return c;
+}
+
+/* A one-thread context for bad-input tests: errors are counted, not printed. */
+static inline mpt_context *quiet_ctx(void) { return test_ctx_logging(1, quiet_logger); }
+
+/* A context of `threads` threads whose warnings are counted (count_warnings),
+   not printed. */
+static inline mpt_context *warning_ctx(int threads) {
+    return test_ctx_logging(threads, warning_logger);
 }
 
 /* A block of `bytes` at `alignment` (a power of two), released by

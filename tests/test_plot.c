@@ -47,21 +47,17 @@ typedef struct svg_read {
     char texts[8192];     /* the <text> contents, joined by '|'          */
 } svg_read;
 
+static void svg_line(void *user, const char *line) {
+    svg_read *r = (svg_read *)user;
+    if (!strncmp(line, "texts\t", 6))
+        snprintf(r->texts, sizeof r->texts, "%s", line + 6);
+    else if (r->n < 64)
+        snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
+}
+
 static void read_svg(const char *path, svg_read *r) {
-    char cmd[1024], line[8192];
-    FILE *p;
     memset(r, 0, sizeof *r);
-    if (!test_python_script(cmd, sizeof cmd, tmpdir, "reader.py", reader_py, path)) return;
-    p = popen(cmd, "r");
-    if (!p) return;
-    while (fgets(line, sizeof line, p)) {
-        line[strcspn(line, "\n")] = 0;
-        if (!strncmp(line, "texts\t", 6))
-            snprintf(r->texts, sizeof r->texts, "%s", line + 6);
-        else if (r->n < 64)
-            snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
-    }
-    r->ok = pclose(p) == 0;
+    r->ok = test_python_lines(tmpdir, "reader.py", reader_py, path, svg_line, r);
 }
 
 /* The line of series `key` ("key\tpolylines\tcounts"), or NULL. */

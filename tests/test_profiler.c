@@ -74,19 +74,14 @@ typedef struct trace_read {
     char lines[32][256];
 } trace_read;
 
+static void trace_line(void *user, const char *line) {
+    trace_read *r = (trace_read *)user;
+    if (r->n < 32) snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
+}
+
 static void read_trace(const char *path, trace_read *r) {
-    char cmd[1024], line[1024];
-    FILE *p;
     memset(r, 0, sizeof *r);
-    if (!test_python_script(cmd, sizeof cmd, tmpdir, "check.py", check_py, path)) return;
-    p = popen(cmd, "r");
-    if (!p) return;
-    while (fgets(line, sizeof line, p))
-        if (r->n < 32) {
-            line[strcspn(line, "\n")] = 0;
-            snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
-        }
-    r->ok = pclose(p) == 0;
+    r->ok = test_python_lines(tmpdir, "check.py", check_py, path, trace_line, r);
 }
 
 /* f profiles steps first..last into tmpdir/sub: dir (size bytes), which
@@ -369,27 +364,13 @@ static void test_bad_ranges(void) {
     mpt_context_destroy(q);
 }
 
-static int warnings;
-static void counting_logger(void *user, mpt_log_level level, const char *msg) {
-    (void)user;
-    (void)msg;
-    if (level == MPT_LOG_WARNING) warnings++;
-}
-
 static void test_unwritable_directory(void) {
-    mpt_context *q = NULL;
-    mpt_context_desc cd;
-    mpt_dataset *data;
-    mpt_model *m;
+    mpt_context *q = warning_ctx(1);
+    mpt_dataset *data = blobs_in(q);
+    mpt_model *m = make_model(q);
     mpt_fit_desc f = fit_desc(1);
     char file[300], dir[400];
     FILE *fp;
-    memset(&cd, 0, sizeof cd);
-    cd.num_threads = 1;
-    cd.logger.fn = counting_logger;
-    mpt_context_create(&cd, &q);
-    data = blobs_in(q);
-    m = make_model(q);
     snprintf(file, sizeof file, "%s/a_file", tmpdir);
     fp = fopen(file, "w");
     if (fp) fclose(fp);
@@ -397,10 +378,10 @@ static void test_unwritable_directory(void) {
     f.profile_batch[0] = 2;
     f.profile_batch[1] = 3;
     f.profile_dir = dir;
-    warnings = 0;
+    count_warnings = 0;
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "training goes on: %s", mpt_context_error(q));
-    CHECK(warnings == 1 && m->optimizer_steps == 7, "one warning (%d), 7 steps (%lld)", warnings,
-          (long long)m->optimizer_steps);
+    CHECK(count_warnings == 1 && m->optimizer_steps == 7, "one warning (%d), 7 steps (%lld)",
+          count_warnings, (long long)m->optimizer_steps);
     f.profile_fail_on_error = 1;
     CHECK(mpt_model_fit(m, data, &f) == MPT_ERR_IO && strstr(mpt_context_error(q), dir),
           "asked to: fit stops, naming the directory: %s", mpt_context_error(q));
@@ -510,21 +491,14 @@ static mpt_status stop_at(void *user, mpt_model *m, int64_t batch, const mpt_log
 }
 
 static void test_run_ends_early(void) {
-    mpt_context *q = NULL;
-    mpt_context_desc cd;
-    mpt_dataset *data;
-    mpt_model *m;
+    mpt_context *q = warning_ctx(1);
+    mpt_dataset *data = blobs_in(q);
+    mpt_model *m = make_model(q);
     mpt_fit_desc f = fit_desc(1);
     mpt_callback cb;
     int64_t at = 3;
     char dir[300], prefix[1100];
     trace_read r;
-    memset(&cd, 0, sizeof cd);
-    cd.num_threads = 1;
-    cd.logger.fn = counting_logger;
-    mpt_context_create(&cd, &q);
-    data = blobs_in(q);
-    m = make_model(q);
     if (!test_python_imports("json")) goto done;
     memset(&cb, 0, sizeof cb);
     cb.on_batch_end = stop_at;
@@ -532,9 +506,9 @@ static void test_run_ends_early(void) {
     profile_steps(&f, dir, sizeof dir, "early", 3, 6);
     f.callbacks = &cb;
     f.n_callbacks = 1;
-    warnings = 0;
+    count_warnings = 0;
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
-    CHECK(warnings == 1, "a warning that the range was cut short (%d)", warnings);
+    CHECK(count_warnings == 1, "a warning that the range was cut short (%d)", count_warnings);
     read_run_trace(dir, prefix, sizeof prefix, &r);
     CHECK(r.ok && r.n >= 2 && !strncmp(r.lines[0], "step 3 ", 7) && !strncmp(r.lines[1], "step 4 ", 7) &&
               strncmp(r.lines[2], "step", 4) != 0,

@@ -401,26 +401,29 @@ static void add_ids_to_dense(mpt_model *m) {
 }
 
 static void test_bad_models(void) {
-    test_expect_error(quiet, build_with(add_unused_input), MPT_ERR_INVALID_ARGUMENT,
-                      "input 1 ('unused') does not lead to the output", "unused input");
-    test_expect_error(quiet, build_with(add_unused_input0), MPT_ERR_INVALID_ARGUMENT,
-                      "input 0 ('input') does not lead", "unused input 0");
-    test_expect_error(quiet, build_with(add_input_last), MPT_ERR_INVALID_ARGUMENT,
-                      "is input 1", "an input last");
-    test_expect_error(quiet, build_with(add_rank0), MPT_ERR_INVALID_ARGUMENT,
-                      "rank 0 is not in 1..3", "rank 0");
-    test_expect_error(quiet, build_with(add_zero_dim), MPT_ERR_SHAPE,
-                      "InputLayer 'flat' (input 1): shape (2, 0) has a dimension <= 0",
-                      "a dimension 0");
-    test_expect_error(quiet, build_with(add_half_dtype), MPT_ERR_DTYPE, "dtype float16",
-                      "dtype float16");
-    test_expect_error(quiet, build_with(add_null_desc), MPT_ERR_INVALID_ARGUMENT,
-                      "NULL descriptor", "NULL desc");
-    test_expect_error(quiet, build_with(add_too_many), MPT_ERR_INVALID_ARGUMENT,
-                      "MPT_MAX_INPUTS", "too many inputs");
-    test_expect_error(quiet, build_with(add_ids_to_dense), MPT_ERR_DTYPE,
-                      "Dense 'dense' reads the input 'ids', which is int32 token ids",
-                      "ids into a Dense");
+    static const struct {
+        void (*add)(mpt_model *m);
+        mpt_status status;
+        const char *words, *what;
+    } cases[] = {
+        {add_unused_input, MPT_ERR_INVALID_ARGUMENT,
+         "input 1 ('unused') does not lead to the output", "unused input"},
+        {add_unused_input0, MPT_ERR_INVALID_ARGUMENT, "input 0 ('input') does not lead",
+         "unused input 0"},
+        {add_input_last, MPT_ERR_INVALID_ARGUMENT, "is input 1", "an input last"},
+        {add_rank0, MPT_ERR_INVALID_ARGUMENT, "rank 0 is not in 1..3", "rank 0"},
+        {add_zero_dim, MPT_ERR_SHAPE,
+         "InputLayer 'flat' (input 1): shape (2, 0) has a dimension <= 0", "a dimension 0"},
+        {add_half_dtype, MPT_ERR_DTYPE, "dtype float16", "dtype float16"},
+        {add_null_desc, MPT_ERR_INVALID_ARGUMENT, "NULL descriptor", "NULL desc"},
+        {add_too_many, MPT_ERR_INVALID_ARGUMENT, "MPT_MAX_INPUTS", "too many inputs"},
+        {add_ids_to_dense, MPT_ERR_DTYPE,
+         "Dense 'dense' reads the input 'ids', which is int32 token ids", "ids into a Dense"},
+    };
+    size_t k;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        test_expect_error(quiet, build_with(cases[k].add), cases[k].status, cases[k].words,
+                          cases[k].what);
 }
 
 /* fit, evaluate, predict and forward refuse what does not fit the

@@ -246,6 +246,25 @@ static inline void make_rings(int n, float *x, int32_t *y) {
     }
 }
 
+/* The hand-written loops' model of make_rings' points: Dense(32, relu) →
+   Dense(32, relu) → Dense(2) logits kept in float32 (their loss is taken
+   in float32), seeded alike, built for batch. */
+static inline mpt_status make_rings_model(mpt_context *ctx, mpt_policy policy, int64_t batch,
+                                          mpt_model **model) {
+    mpt_status s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 2 }, .input_rank = 1,
+                                                            .policy = policy, .seed = 1 }, model);
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(*model, &(mpt_dense_desc){ .units = 32,
+                                                           .activation = MPT_ACT_RELU });
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(*model, &(mpt_dense_desc){ .units = 32,
+                                                           .activation = MPT_ACT_RELU });
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(*model, &(mpt_dense_desc){ .units = 2, .dtype = MPT_FLOAT32 });
+    if (s == MPT_OK) s = mpt_model_build(*model, batch);
+    return s;
+}
+
 /* On a failed call: the context's error on stderr, after the program's
    name, and exit status 1. */
 #define TRY(call)                                                          \

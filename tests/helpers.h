@@ -330,6 +330,20 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
 
 /* ---- contexts on one SIMD path (test_gemm, test_qgemm, test_relu) ------------- */
 
+/* The SIMD levels the CPU dispatches on, forced by disabling the features
+   above each (path_ctx's disable_cpu_features); a level runs where the
+   CPU has the features it needs. */
+static const struct {
+    const char *name;
+    int disable, needs;
+} simd_levels[] = {
+    {"scalar", ~0, 0},
+    {"avx2", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16, MPT_CPU_AVX2},
+    {"avx512", MPT_CPU_AVX512_BF16, MPT_CPU_AVX512},
+    {"avx512bf16", 0, MPT_CPU_AVX512_BF16},
+};
+#define SIMD_LEVELS ((int)(sizeof simd_levels / sizeof simd_levels[0]))
+
 /* A quiet context of `threads` threads with the CPU features in
    disable_cpu_features turned off (~0: the portable path); NULL when it
    cannot be made. */

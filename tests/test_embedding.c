@@ -734,14 +734,7 @@ static void test_exported_not_quantized(void) {
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2, .activation = MPT_ACT_SOFTMAX});
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
     mpt_model_refresh_weights(m); /* as trained */
-    {
-        mpt_model *q = NULL;
-        test_expect_error(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,
-                          "'embedding' (Embedding)", "quantize");
-        CHECK(q == NULL, "quantize gave a model");
-    }
-    test_expect_error(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "'embedding' (Embedding)", "quantize_aware");
+    test_quantize_refused(ctx, m, "'embedding' (Embedding)");
     mpt_model_destroy(m);
 }
 

@@ -700,6 +700,17 @@ static inline const char *test_summary_misaligned(const char *text) {
     return NULL;
 }
 
+/* m's summary, into text (size bytes), is aligned (test_summary_misaligned)
+   and holds a and b. */
+static inline void test_summary_holds(mpt_model *m, char *text, size_t size, const char *a,
+                                      const char *b) {
+    const char *why;
+    mpt_model_summary(m, text, size);
+    why = test_summary_misaligned(text);
+    CHECK(strstr(text, a) && strstr(text, b) && !why, "%s in\n%s", why ? why : "a name missing",
+          text);
+}
+
 #ifndef MPT_NO_IMPLEMENTATION
 /* ‖a − b‖ / ‖b‖ over every weight of two models of one architecture (NaN
    if either has one); reads the models' private parameters. */

@@ -159,30 +159,23 @@ static void two_branch_ref(const gc_case *c, const double *x, double *const *p, 
     }
 }
 
+static mpt_model *two_branch_model(mpt_context *c, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_node in1, both[2];
+    CHECK(mpt_model_create(c, &(mpt_model_desc){.input_shape = {G0}, .input_rank = 1,
+                                                .policy = policy, .seed = 3},
+                           &m) == MPT_OK,
+          "create: %s", mpt_context_error(c));
+    in1 = mpt_model_add_input(m, &(mpt_input_desc){.shape = {G1}, .rank = 1});
+    both[0] = mpt_dense(m, mpt_model_input(m),
+                        &(mpt_dense_desc){.units = GH, .activation = MPT_ACT_TANH});
+    both[1] = mpt_dense(m, in1, &(mpt_dense_desc){.units = GH, .activation = MPT_ACT_SIGMOID});
+    mpt_dense(m, mpt_concatenate(m, 2, both, NULL), &(mpt_dense_desc){.units = GO});
+    return m;
+}
+
 static void test_two_input_gradients(void) {
-    int k;
-    for (k = 0; k < 3; k++) {
-        mpt_model *m = NULL;
-        mpt_node in1, both[2];
-        char label[96];
-        test__begin();
-        CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {G0}, .input_rank = 1,
-                                                      .policy = policies[k], .seed = 3},
-                               &m) == MPT_OK,
-              "create: %s", mpt_context_error(ctx));
-        in1 = mpt_model_add_input(m, &(mpt_input_desc){.shape = {G1}, .rank = 1});
-        both[0] = mpt_dense(m, mpt_model_input(m),
-                            &(mpt_dense_desc){.units = GH, .activation = MPT_ACT_TANH});
-        both[1] = mpt_dense(m, in1, &(mpt_dense_desc){.units = GH, .activation = MPT_ACT_SIGMOID});
-        mpt_dense(m, mpt_concatenate(m, 2, both, NULL), &(mpt_dense_desc){.units = GO});
-        CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        snprintf(label, sizeof label, "two inputs, %s", mpt_policy_name(policies[k]));
-        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1,
-                                 .ref_forward = two_branch_ref},
-                 label);
-        mpt_model_destroy(m);
-        test__report(label);
-    }
+    gc_check_policies(ctx, two_branch_model, two_branch_ref, "two inputs");
 }
 
 /* ---- the same training on 1 and 2 threads, on 1 and 2 replicas ---------------------- */

@@ -327,33 +327,25 @@ static void two_output_ref(const gc_case *c, const double *x, double *const *p, 
     }
 }
 
+static mpt_model *two_output_model(mpt_context *c, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_node both[2], a;
+    CHECK(mpt_model_create(c, &(mpt_model_desc){.input_shape = {G_IN}, .input_rank = 1,
+                                                .policy = policy, .seed = 3},
+                           &m) == MPT_OK,
+          "create: %s", mpt_context_error(c));
+    both[0] = mpt_dense(m, mpt_model_input(m),
+                        &(mpt_dense_desc){.name = "h", .units = G_H, .activation = MPT_ACT_TANH});
+    both[1] = a = mpt_dense(m, both[0], &(mpt_dense_desc){.name = "a", .units = G_A});
+    mpt_model_add_output(m, a);
+    mpt_model_add_output(m, mpt_dense(m, mpt_concatenate(m, 2, both, NULL),
+                                      &(mpt_dense_desc){.name = "b", .units = G_B,
+                                                        .activation = MPT_ACT_SIGMOID}));
+    return m;
+}
+
 static void test_two_output_gradients(void) {
-    int k;
-    for (k = 0; k < 3; k++) {
-        mpt_model *m = NULL;
-        mpt_node both[2], a;
-        char label[96];
-        test__begin();
-        CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {G_IN}, .input_rank = 1,
-                                                      .policy = policies[k], .seed = 3},
-                               &m) == MPT_OK,
-              "create: %s", mpt_context_error(ctx));
-        both[0] = mpt_dense(m, mpt_model_input(m),
-                            &(mpt_dense_desc){.name = "h", .units = G_H,
-                                              .activation = MPT_ACT_TANH});
-        both[1] = a = mpt_dense(m, both[0], &(mpt_dense_desc){.name = "a", .units = G_A});
-        mpt_model_add_output(m, a);
-        mpt_model_add_output(m, mpt_dense(m, mpt_concatenate(m, 2, both, NULL),
-                                          &(mpt_dense_desc){.name = "b", .units = G_B,
-                                                            .activation = MPT_ACT_SIGMOID}));
-        CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        snprintf(label, sizeof label, "two outputs, %s", mpt_policy_name(policies[k]));
-        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1,
-                                 .ref_forward = two_output_ref},
-                 label);
-        mpt_model_destroy(m);
-        test__report(label);
-    }
+    gc_check_policies(ctx, two_output_model, two_output_ref, "two outputs");
 }
 
 /* ---- the same bits: 1 and 2 threads; one output declared or not -------------- */

@@ -22,17 +22,29 @@ static inline void warning_logger(void *user, mpt_log_level level, const char *m
     if (level == MPT_LOG_WARNING) count_warnings++;
 }
 
-/* A context of `threads` threads (0: the default) that logs to logger. */
-static inline mpt_context *test_ctx_logging(int threads,
-                                            void (*logger)(void *user, mpt_log_level level,
-                                                           const char *msg)) {
+/* A context of `threads` threads (0: the default) that logs to logger and
+   allocates through allocator (all zero: the default allocator). */
+static inline mpt_context *test_ctx_with(int threads,
+                                         void (*logger)(void *user, mpt_log_level level,
+                                                        const char *msg),
+                                         mpt_allocator allocator) {
     mpt_context *c = NULL;
     mpt_context_desc d;
     memset(&d, 0, sizeof d);
     d.logger.fn = logger;
     d.num_threads = threads;
+    d.allocator = allocator;
     mpt_context_create(&d, &c);
     return c;
+}
+
+/* A context of `threads` threads (0: the default) that logs to logger. */
+static inline mpt_context *test_ctx_logging(int threads,
+                                            void (*logger)(void *user, mpt_log_level level,
+                                                           const char *msg)) {
+    mpt_allocator none;
+    memset(&none, 0, sizeof none);
+    return test_ctx_with(threads, logger, none);
 }
 
 /* A one-thread context for bad-input tests: errors are counted, not printed. */
@@ -89,16 +101,11 @@ static inline void count_free(void *user, void *ptr) {
 
 /* A two-thread context with a counting allocator and the quiet logger. */
 static inline mpt_context *counting_ctx(counting_alloc *c) {
-    mpt_context_desc d;
-    mpt_context *cc = NULL;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = quiet_logger;
-    d.allocator.alloc = count_alloc;
-    d.allocator.free = count_free;
-    d.allocator.user_data = c;
-    mpt_context_create(&d, &cc);
-    return cc;
+    mpt_allocator counting;
+    counting.alloc = count_alloc;
+    counting.free = count_free;
+    counting.user_data = c;
+    return test_ctx_with(2, quiet_logger, counting);
 }
 
 /* Adam at 0.01, sparse categorical crossentropy, accuracy: how the test

@@ -92,19 +92,13 @@ static void refusing_free(void *user, void *ptr) {
 /* The CPU backend's arenas come from the context's allocator: one that
    refuses the activations of a batch of 32 makes fit halve 64 twice. */
 static void test_allocator_refusing_large_blocks(void) {
-    mpt_context *q = NULL;
-    mpt_context_desc cd;
+    mpt_context *q;
     mpt_dataset *data;
     mpt_model *probe, *ref, *m;
     mpt_memory_report at16, at32;
     mpt_fit_desc f;
-    memset(&cd, 0, sizeof cd);
-    cd.num_threads = 2;
-    cd.logger.fn = warning_logger;
-    cd.allocator.alloc = refusing_alloc;
-    cd.allocator.free = refusing_free;
     refuse_over = 0;
-    mpt_context_create(&cd, &q);
+    q = test_ctx_with(2, warning_logger, (mpt_allocator){refusing_alloc, refusing_free, NULL});
     data = blobs_in(q);
     probe = make_model(q, 0, NULL);
     CHECK(mpt_model_build(probe, 32) == MPT_OK, "build: %s", mpt_context_error(q));

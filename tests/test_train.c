@@ -1481,11 +1481,6 @@ static void test_default_loss_scale(void) {
 static char printed[1 << 16];
 static test_text printed_to = {printed, sizeof printed, 0};
 
-static void capture(void *user, const char *text) { /* fit's printer */
-    (void)user;
-    test_text_append(&printed_to, text);
-}
-
 static void test_summary_and_progress(void) {
     static float x[N_SYN * FEATURES];
     static int32_t y[N_SYN];
@@ -1507,14 +1502,18 @@ static void test_summary_and_progress(void) {
     d = blob_dataset(x, y, N_SYN);
     test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32, .verbose = 1,
-                                              .printer = {capture, NULL}}) == MPT_OK, "fit");
+                                              .printer = {test_text_append, &printed_to}}) ==
+              MPT_OK,
+          "fit");
     CHECK(strstr(printed, "Epoch 1/2\n") && strstr(printed, "Epoch 2/2\n"), "epochs:\n%s", printed);
     CHECK(strstr(printed, "7/7 [==============================] - ") &&
               strstr(printed, "/step - loss: ") && strstr(printed, " - accuracy: "),
           "progress:\n%s", printed);
     test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 32, .verbose = 2,
-                                              .printer = {capture, NULL}}) == MPT_OK, "fit");
+                                              .printer = {test_text_append, &printed_to}}) ==
+              MPT_OK,
+          "fit");
     CHECK(strstr(printed, "7/7 - ") && !strchr(printed, '['), "verbose 2:\n%s", printed);
     mpt_model_destroy(m);
     mpt_dataset_destroy(d);

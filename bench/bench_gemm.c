@@ -194,34 +194,44 @@ typedef struct shape {
     int ta, tb;
 } shape;
 
-static const shape shapes[] = {
-    {"mlp fwd 1", 128, 1024, 784, 0, 0},
-    {"mlp bwd 1 dX", 128, 784, 1024, 0, 1},
-    {"mlp bwd 1 dW", 784, 1024, 128, 1, 0},
-    {"mlp fwd 2", 128, 10, 1024, 0, 0},
-    {"mlp bwd 2 dX", 128, 1024, 10, 0, 1},
-    {"mlp bwd 2 dW", 1024, 10, 128, 1, 0},
-    {"conv1 fwd", 128 * 26 * 26, 32, 9, 0, 0},
-    {"conv1 bwd dW", 9, 32, 128 * 26 * 26, 1, 0},
-    {"conv2 fwd", 128 * 24 * 24, 32, 288, 0, 0},
-    {"conv2 bwd dX", 128 * 24 * 24, 288, 32, 0, 1},
-    {"conv2 bwd dW", 288, 32, 128 * 24 * 24, 1, 0},
-    {"conv3 fwd", 128 * 10 * 10, 64, 288, 0, 0},
-    {"conv4 fwd", 128 * 8 * 8, 64, 576, 0, 0},
-    {"conv4 bwd dX", 128 * 8 * 8, 576, 64, 0, 1},
-    {"square", 1024, 1024, 1024, 0, 0},
-    {"square", 2048, 2048, 2048, 0, 0},
+/* A layer's products: the forward Y = X·W (m×n×k, "nn"), and in the
+   backward pass dX = dY·Wᵀ (m×k×n, "nt") and dW = Xᵀ·dY (k×n×m, "tn");
+   a product named NULL is not timed (the first layer has no dX). */
+typedef struct layer {
+    const char *fwd, *dx, *dw;
+    int64_t m, n, k;
+} layer;
+
+static const layer layers[] = {
+    {"mlp fwd 1", "mlp bwd 1 dX", "mlp bwd 1 dW", 128, 1024, 784},
+    {"mlp fwd 2", "mlp bwd 2 dX", "mlp bwd 2 dW", 128, 10, 1024},
+    {"conv1 fwd", NULL, "conv1 bwd dW", 128 * 26 * 26, 32, 9},
+    {"conv2 fwd", "conv2 bwd dX", "conv2 bwd dW", 128 * 24 * 24, 32, 288},
+    {"conv3 fwd", NULL, NULL, 128 * 10 * 10, 64, 288},
+    {"conv4 fwd", "conv4 bwd dX", NULL, 128 * 8 * 8, 64, 576},
+    {"square", NULL, NULL, 1024, 1024, 1024},
+    {"square", NULL, NULL, 2048, 2048, 2048},
     /* examples/gpt.c: 32 windows of 128 positions, width 256, MLP 1024 */
-    {"gpt proj fwd", 4096, 256, 256, 0, 0},
-    {"gpt proj bwd dX", 4096, 256, 256, 0, 1},
-    {"gpt proj bwd dW", 256, 256, 4096, 1, 0},
-    {"gpt mlp up fwd", 4096, 1024, 256, 0, 0},
-    {"gpt mlp up bwd dX", 4096, 256, 1024, 0, 1},
-    {"gpt mlp up bwd dW", 256, 1024, 4096, 1, 0},
-    {"gpt mlp down fwd", 4096, 256, 1024, 0, 0},
-    {"gpt mlp down bwd dX", 4096, 1024, 256, 0, 1},
-    {"gpt mlp down bwd dW", 1024, 256, 4096, 1, 0},
+    {"gpt proj fwd", "gpt proj bwd dX", "gpt proj bwd dW", 4096, 256, 256},
+    {"gpt mlp up fwd", "gpt mlp up bwd dX", "gpt mlp up bwd dW", 4096, 1024, 256},
+    {"gpt mlp down fwd", "gpt mlp down bwd dX", "gpt mlp down bwd dW", 4096, 256, 1024},
 };
+#define N_LAYERS ((int)(sizeof layers / sizeof layers[0]))
+
+/* Every timed product of the layers, in their order: room for 3 a layer;
+   returns how many. */
+static int layer_shapes(shape *out) {
+    int i, n = 0;
+    for (i = 0; i < N_LAYERS; i++) {
+        const layer *l = &layers[i];
+        const shape fwd = {l->fwd, l->m, l->n, l->k, 0, 0}, dx = {l->dx, l->m, l->k, l->n, 0, 1},
+                    dw = {l->dw, l->k, l->n, l->m, 1, 0};
+        if (l->fwd) out[n++] = fwd;
+        if (l->dx) out[n++] = dx;
+        if (l->dw) out[n++] = dw;
+    }
+    return n;
+}
 
 static void run_gemm(mpt_context *ctx, const void *desc) {
     mpt_gemm(ctx, (const mpt_gemm_desc *)desc);
@@ -233,6 +243,8 @@ int main(int argc, char **argv) {
     int gpt = argc > 1 && strcmp(argv[1], "gpt") == 0;
     mpt_context *ctx[2];
     double ghz, peak512[2] = {0, 0}, peak256[2] = {0, 0}, sq_f32[2] = {0, 0};
+    static shape shapes[3 * N_LAYERS];
+    const int n_shapes = layer_shapes(shapes);
     int t, si, di;
     char cpu[256];
     cpu_name(cpu, sizeof cpu);
@@ -270,7 +282,7 @@ int main(int argc, char **argv) {
         printf("\n| shape | M×N×K | op | dtype | 1 thread GFLOP/s | 2 threads GFLOP/s |\n");
         printf("|---|---|---|---|---:|---:|\n");
     }
-    for (si = 0; si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
+    for (si = 0; si < n_shapes; si++) {
         const shape *s = &shapes[si];
         if (quick && (s->m != 1024 || s->n != 1024)) continue;
         if (gpt != (strncmp(s->what, "gpt", 3) == 0)) continue;

@@ -2,6 +2,7 @@
 the fortunes' files in name order, cut as mpt.h's text dataset cuts them."""
 import argparse
 import os
+import time
 
 FORTUNES = "/usr/share/games/fortunes"
 
@@ -46,6 +47,22 @@ def arguments(description, policies):
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--eval", type=int, default=1, help="0: no validation loss")
     return ap
+
+
+def run_steps(args, step):
+    """Runs step() (one optimizer step, returning its loss as a float)
+    args.steps times: (the losses, the timed steps' seconds each, the seconds
+    of the last args.timed_steps together)."""
+    losses, step_s = [], []
+    first_timed = args.steps - args.timed_steps
+    start = None
+    for i in range(args.steps):
+        if i == first_timed:
+            start = time.perf_counter()
+        t0 = time.perf_counter()
+        losses.append(step())
+        step_s.append(time.perf_counter() - t0)
+    return losses, step_s[first_timed:], time.perf_counter() - start
 
 
 def parse(ap):

@@ -42,12 +42,12 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt_text import arguments, cut, parse, read_text  # noqa: E402  (shared with torch_gpt.py)
+from gpt_text import (  # noqa: E402  (shared with torch_gpt.py)
+    arguments, cut, parse, read_text, run_steps)
 
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
 
@@ -141,17 +141,12 @@ def main():
           f"({train.size:,} train), python {sys.version.split()[0]}", flush=True)
 
     rng = np.random.default_rng(args.seed)
-    step_s, losses = [], []
-    first_timed = args.steps - args.timed_steps
-    start = None
-    for step in range(args.steps):
-        if step == first_timed:
-            start = time.perf_counter()
-        t0 = time.perf_counter()
+
+    def step():
         x, y = windows(train, rng.integers(0, train.size - CONTEXT, args.batch_size))
-        losses.append(float(train_step(x, y)))
-        step_s.append(time.perf_counter() - t0)
-    seconds = time.perf_counter() - start
+        return float(train_step(x, y))
+
+    losses, timed_s, seconds = run_steps(args, step)
     tokens_per_s = args.timed_steps * args.batch_size * CONTEXT / seconds
 
     val_loss = None
@@ -167,7 +162,7 @@ def main():
             "policy": args.policy, "steps": args.steps, "timed_steps": args.timed_steps,
             "batch_size": args.batch_size, "context": CONTEXT, "threads": args.threads,
             "params": params, "tokens_per_s": round(tokens_per_s),
-            "step_ms": round(1e3 * statistics.median(step_s[first_timed:]), 1),
+            "step_ms": round(1e3 * statistics.median(timed_s), 1),
             "train_loss": round(losses[-1], 4),
             "val_loss": None if val_loss is None else round(val_loss, 4),
             "bits_per_char": None if val_loss is None else round(val_loss / math.log(2), 4)}

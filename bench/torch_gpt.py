@@ -47,14 +47,14 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt_text import arguments, cut, parse, read_text  # noqa: E402  (shared with tf_gpt.py)
+from gpt_text import (  # noqa: E402  (shared with tf_gpt.py)
+    arguments, cut, parse, read_text, run_steps)
 
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
 
@@ -192,31 +192,25 @@ def main():
           f"({train.numel():,} train), python {sys.version.split()[0]}", flush=True)
 
     gen = torch.Generator().manual_seed(args.seed)
-    step_s = []
-    losses = []
-    first_timed = args.steps - args.timed_steps
-    start = None
-    for step in range(args.steps):
-        if step == first_timed:
-            start = time.perf_counter()
-        t0 = time.perf_counter()
+
+    def step():
         x, y = train_batch(train, args.batch_size, gen)
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = model(x, y)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-        step_s.append(time.perf_counter() - t0)
-    seconds = time.perf_counter() - start
+        return loss.item()
+
+    losses, timed_s, seconds = run_steps(args, step)
     tokens_per_s = args.timed_steps * args.batch_size * CONTEXT / seconds
     val_loss = evaluate(model, val, args.batch_size, autocast) if args.eval else None
     line = {"model": "gpt", "framework": "pytorch", "version": torch.__version__,
             "policy": args.policy, "steps": args.steps, "timed_steps": args.timed_steps,
             "batch_size": args.batch_size, "context": CONTEXT,
             "threads": torch.get_num_threads(), "attention": attention, "params": params,
-            "tokens_per_s": round(tokens_per_s), "step_ms": round(
-                1e3 * statistics.median(step_s[first_timed:]), 1),
+            "tokens_per_s": round(tokens_per_s),
+            "step_ms": round(1e3 * statistics.median(timed_s), 1),
             "train_loss": round(losses[-1], 4),
             "val_loss": None if val_loss is None else round(val_loss, 4),
             "bits_per_char": None if val_loss is None else round(val_loss / math.log(2), 4)}

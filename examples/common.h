@@ -60,6 +60,20 @@ static inline int read_number(const char *program, const char *flag, const char 
     return 1;
 }
 
+/* The policy mpt_policy_name calls name ("float32", "mixed_float16",
+   "mixed_bfloat16") into *policy; 0 when it names none. */
+static inline int policy_named(const char *name, mpt_policy *policy) {
+    static const mpt_policy all[] = { MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                      MPT_POLICY_MIXED_BFLOAT16 };
+    size_t k;
+    for (k = 0; k < sizeof all / sizeof all[0]; k++)
+        if (!strcmp(name, mpt_policy_name(all[k]))) {
+            *policy = all[k];
+            return 1;
+        }
+    return 0;
+}
+
 /* Reads --policy, --epochs, --batch-size, --threads, --data, --seed,
    --verbose, --tensorboard, --plot, --profile, --save and --load (the
    examples that offer them) over the defaults already in *o; returns 0
@@ -90,10 +104,7 @@ static inline int parse_options(int argc, char **argv, options *o) {
         else if (o->model_files && !strcmp(flag, "--export")) o->export_stem = value;
         else break;
     }
-    if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
-    else if (!strcmp(o->policy_name, "mixed_float16")) o->policy = MPT_POLICY_MIXED_FLOAT16;
-    else if (!strcmp(o->policy_name, "mixed_bfloat16")) o->policy = MPT_POLICY_MIXED_BFLOAT16;
-    else i = -1;
+    if (!policy_named(o->policy_name, &o->policy)) i = -1;
     if (i != argc) {
         fprintf(stderr, "usage: %s [--policy float32|mixed_float16|mixed_bfloat16] [--epochs N]\n"
                         "          [--batch-size N] [--threads N] [--data DIR] [--seed N]\n"
@@ -233,6 +244,25 @@ static inline void make_rings(int n, float *x, int32_t *y) {
         x[2 * i] = (float)(radius * cos(angle));
         x[2 * i + 1] = (float)(radius * sin(angle));
     }
+}
+
+/* The hand-written loops' model of make_rings' points: Dense(32, relu) →
+   Dense(32, relu) → Dense(2) logits kept in float32 (their loss is taken
+   in float32), seeded alike, built for batch. */
+static inline mpt_status make_rings_model(mpt_context *ctx, mpt_policy policy, int64_t batch,
+                                          mpt_model **model) {
+    mpt_status s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 2 }, .input_rank = 1,
+                                                            .policy = policy, .seed = 1 }, model);
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(*model, &(mpt_dense_desc){ .units = 32,
+                                                           .activation = MPT_ACT_RELU });
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(*model, &(mpt_dense_desc){ .units = 32,
+                                                           .activation = MPT_ACT_RELU });
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(*model, &(mpt_dense_desc){ .units = 2, .dtype = MPT_FLOAT32 });
+    if (s == MPT_OK) s = mpt_model_build(*model, batch);
+    return s;
 }
 
 /* On a failed call: the context's error on stderr, after the program's

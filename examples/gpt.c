@@ -70,10 +70,7 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
             o->sample = (int64_t)n;
         else break;
     }
-    if (!strcmp(o->policy_name, "float32")) o->policy = MPT_POLICY_FLOAT32;
-    else if (!strcmp(o->policy_name, "mixed_float16")) o->policy = MPT_POLICY_MIXED_FLOAT16;
-    else if (!strcmp(o->policy_name, "mixed_bfloat16")) o->policy = MPT_POLICY_MIXED_BFLOAT16;
-    else i = -1;
+    if (!policy_named(o->policy_name, &o->policy)) i = -1;
     if (i != argc) {
         fprintf(stderr, "usage: %s [--data FILE] [--steps N] [--eval-interval N]\n"
                         "          [--batch-size N] [--policy float32|mixed_float16|"

@@ -48,12 +48,7 @@ int main(int argc, char **argv) {
     make_rings(N, x, y); /* hand_sgd.c's two rings (common.h) */
 
     if (mpt_context_create(&(mpt_context_desc){ .num_threads = 1 }, &ctx) != MPT_OK) return 1;
-    TRY(mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 2 }, .input_rank = 1,
-                                                 .policy = policy, .seed = 1 }, &model));
-    TRY(mpt_model_add_dense(model, &(mpt_dense_desc){ .units = 32, .activation = MPT_ACT_RELU }));
-    TRY(mpt_model_add_dense(model, &(mpt_dense_desc){ .units = 32, .activation = MPT_ACT_RELU }));
-    TRY(mpt_model_add_dense(model, &(mpt_dense_desc){ .units = 2, .dtype = MPT_FLOAT32 }));
-    TRY(mpt_model_build(model, BATCH));
+    TRY(make_rings_model(ctx, policy, BATCH, &model)); /* 2 → 32 → 32 → 2 logits (common.h) */
 
     for (epoch = 0; epoch < EPOCHS; epoch++) {
         loss = 0;

@@ -101,13 +101,49 @@ static double gc_param_value(const char *name) {
     return test_uniform(-0.5, 0.5);
 }
 
+/* The least precise dtype a layer of m computes in: its roundings bound
+   the check's tolerances. */
+static mpt_dtype gc_worst_dtype(mpt_model *m) {
+    mpt_dtype worst = MPT_FLOAT32;
+    int l;
+    for (l = 0; l < mpt_model_layer_count(m); l++) {
+        mpt_dtype d = mpt_model_layer_dtype(m, l);
+        if (d == MPT_BFLOAT16 || (d == MPT_FLOAT16 && worst == MPT_FLOAT32)) worst = d;
+    }
+    return worst;
+}
+
+/* Fresh values for m's first n_params parameters, value(name) each rounded
+   to worst, written into the model (its compute copies refreshed) and, as
+   double, into params[p] (calloc'd, the caller frees them); info[p] each
+   parameter's. */
+static void gc_fresh_params(mpt_model *m, int n_params, mpt_dtype worst,
+                            double (*value)(const char *name), mpt_param_info *info,
+                            double **params) {
+    int p;
+    int64_t j;
+    for (p = 0; p < n_params; p++) {
+        float *v;
+        int64_t n;
+        mpt_model_param(m, p, &info[p]);
+        v = (float *)info[p].value.data;
+        n = mpt_tensor_count(&info[p].value);
+        params[p] = (double *)calloc((size_t)n, sizeof(double));
+        for (j = 0; j < n; j++) {
+            v[j] = (float)round_to(worst, value(info[p].name));
+            params[p][j] = v[j];
+        }
+    }
+    mpt_model_refresh_weights(m);
+}
+
 /* Runs the check; failures are reported through CHECK with `label`. */
 static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
     mpt_model *m = c->model;
     int n_layers = mpt_model_layer_count(m);
     mpt_dtype in_dtype = mpt_model_layer_dtype(m, 0);
     mpt_dtype out_dtype = mpt_model_layer_dtype(m, n_layers - 1);
-    mpt_dtype worst = MPT_FLOAT32; /* the least precise compute dtype used */
+    mpt_dtype worst = gc_worst_dtype(m); /* the least precise compute dtype used */
     int64_t in_shape[4], out_shape[4], in_count = 1, out_count = 1, i, j;
     int in_rank, out_rank, n_params = mpt_model_param_count(m), p;
     double tol_fwd, tol_grad, *x, *y_ref, *y_tmp, *r, *dx_num, *dx_lib;
@@ -155,10 +191,6 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
             out_count += out_n[k];
         }
     }
-    for (i = 0; i < n_layers; i++) {
-        mpt_dtype d = mpt_model_layer_dtype(m, (int)i);
-        if (d == MPT_BFLOAT16 || (d == MPT_FLOAT16 && worst == MPT_FLOAT32)) worst = d;
-    }
     gc_tolerance(worst, &tol_fwd, &tol_grad);
     if (c->tol_forward > 0) tol_fwd = c->tol_forward;
     if (c->tol_grad > 0) tol_grad = c->tol_grad;
@@ -183,19 +215,7 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
         x[i] = round_to(i < c->batch * in_count ? in_dtype : worst, test_uniform(lo, hi));
         xf[i] = (float)x[i];
     }
-    for (p = 0; p < n_params; p++) {
-        float *v;
-        int64_t n;
-        mpt_model_param(m, p, &info[p]);
-        v = (float *)info[p].value.data;
-        n = mpt_tensor_count(&info[p].value);
-        params[p] = (double *)calloc((size_t)n, sizeof(double));
-        for (j = 0; j < n; j++) {
-            v[j] = (float)round_to(worst, gc_param_value(info[p].name));
-            params[p][j] = v[j];
-        }
-    }
-    mpt_model_refresh_weights(m);
+    gc_fresh_params(m, n_params, worst, gc_param_value, info, params);
 
     /* 2. Forward against the reference. */
     {
@@ -317,6 +337,36 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
 done:
     for (p = 0; p < n_params; p++) free(params[p]);
     free(x); free(xf); free(dx_num); free(dx_lib); free(y_ref); free(y_tmp); free(r); free(rf);
+}
+
+/* The check of the model build(ctx, policy) makes, under float32,
+   mixed_float16 and mixed_bfloat16: one case each, "<what>, <policy>", of
+   5 samples in training against ref_forward, the model built for 8. */
+static inline void gc_check_policies(mpt_context *ctx,
+                                     mpt_model *(*build)(mpt_context *c, mpt_policy p),
+                                     void (*ref_forward)(const gc_case *c, const double *x,
+                                                         double *const *params, double *y),
+                                     const char *what) {
+    static const mpt_policy gc_policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                             MPT_POLICY_MIXED_BFLOAT16};
+    int k;
+    for (k = 0; k < 3; k++) {
+        mpt_model *m;
+        gc_case c;
+        char label[96];
+        test__begin();
+        m = build(ctx, gc_policies[k]);
+        CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+        snprintf(label, sizeof label, "%s, %s", what, mpt_policy_name(gc_policies[k]));
+        memset(&c, 0, sizeof c);
+        c.model = m;
+        c.batch = 5;
+        c.training = 1;
+        c.ref_forward = ref_forward;
+        gc_check(ctx, &c, label);
+        mpt_model_destroy(m);
+        test__report(label);
+    }
 }
 
 #endif

@@ -14,15 +14,46 @@ static inline void quiet_logger(void *user, mpt_log_level level, const char *msg
     if (level == MPT_LOG_ERROR) count_errors++;
 }
 
-/* A one-thread context for bad-input tests: errors are counted, not printed. */
-static inline mpt_context *quiet_ctx(void) {
-    mpt_context *q;
+static int count_warnings; /* warnings the warning contexts have logged */
+
+static inline void warning_logger(void *user, mpt_log_level level, const char *msg) {
+    (void)user;
+    (void)msg;
+    if (level == MPT_LOG_WARNING) count_warnings++;
+}
+
+/* A context of `threads` threads (0: the default) that logs to logger and
+   allocates through allocator (all zero: the default allocator). */
+static inline mpt_context *test_ctx_with(int threads,
+                                         void (*logger)(void *user, mpt_log_level level,
+                                                        const char *msg),
+                                         mpt_allocator allocator) {
+    mpt_context *c = NULL;
     mpt_context_desc d;
     memset(&d, 0, sizeof d);
-    d.logger.fn = quiet_logger;
-    d.num_threads = 1;
-    mpt_context_create(&d, &q);
-    return q;
+    d.logger.fn = logger;
+    d.num_threads = threads;
+    d.allocator = allocator;
+    mpt_context_create(&d, &c);
+    return c;
+}
+
+/* A context of `threads` threads (0: the default) that logs to logger. */
+static inline mpt_context *test_ctx_logging(int threads,
+                                            void (*logger)(void *user, mpt_log_level level,
+                                                           const char *msg)) {
+    mpt_allocator none;
+    memset(&none, 0, sizeof none);
+    return test_ctx_with(threads, logger, none);
+}
+
+/* A one-thread context for bad-input tests: errors are counted, not printed. */
+static inline mpt_context *quiet_ctx(void) { return test_ctx_logging(1, quiet_logger); }
+
+/* A context of `threads` threads whose warnings are counted (count_warnings),
+   not printed. */
+static inline mpt_context *warning_ctx(int threads) {
+    return test_ctx_logging(threads, warning_logger);
 }
 
 /* A block of `bytes` at `alignment` (a power of two), released by
@@ -70,16 +101,11 @@ static inline void count_free(void *user, void *ptr) {
 
 /* A two-thread context with a counting allocator and the quiet logger. */
 static inline mpt_context *counting_ctx(counting_alloc *c) {
-    mpt_context_desc d;
-    mpt_context *cc = NULL;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = quiet_logger;
-    d.allocator.alloc = count_alloc;
-    d.allocator.free = count_free;
-    d.allocator.user_data = c;
-    mpt_context_create(&d, &cc);
-    return cc;
+    mpt_allocator counting;
+    counting.alloc = count_alloc;
+    counting.free = count_free;
+    counting.user_data = c;
+    return test_ctx_with(2, quiet_logger, counting);
 }
 
 /* Adam at 0.01, sparse categorical crossentropy, accuracy: how the test
@@ -92,6 +118,24 @@ static inline void test_compile_classifier(mpt_context *c, mpt_model *m) {
     cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
     cd.metrics = MPT_METRIC_ACCURACY;
     CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+}
+
+/* Compiles a model of two outputs, a class and a number, as the tests of
+   several outputs do: sparse categorical crossentropy with accuracy, and
+   mean squared error with mean absolute error, their losses weighted 1 and
+   0.5, optimizer o; c is m's context. */
+static inline void test_compile_class_and_number(mpt_context *c, mpt_model *m,
+                                                 mpt_optimizer_desc o) {
+    static const float loss_weights[2] = {1.0f, 0.5f};
+    mpt_compile_desc d;
+    memset(&d, 0, sizeof d);
+    d.optimizer = o;
+    d.losses[0].type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    d.losses[1].type = MPT_LOSS_MEAN_SQUARED_ERROR;
+    d.loss_weights = loss_weights;
+    d.output_metrics[0] = MPT_METRIC_ACCURACY;
+    d.output_metrics[1] = MPT_METRIC_MEAN_ABSOLUTE_ERROR;
+    CHECK(mpt_model_compile(m, &d) == MPT_OK, "compile: %s", mpt_context_error(c));
 }
 
 /* The small classifier the fit tests train on blobs (blobs.h):
@@ -293,6 +337,20 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
 
 /* ---- contexts on one SIMD path (test_gemm, test_qgemm, test_relu) ------------- */
 
+/* The SIMD levels the CPU dispatches on, forced by disabling the features
+   above each (path_ctx's disable_cpu_features); a level runs where the
+   CPU has the features it needs. */
+static const struct {
+    const char *name;
+    int disable, needs;
+} simd_levels[] = {
+    {"scalar", ~0, 0},
+    {"avx2", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16, MPT_CPU_AVX2},
+    {"avx512", MPT_CPU_AVX512_BF16, MPT_CPU_AVX512},
+    {"avx512bf16", 0, MPT_CPU_AVX512_BF16},
+};
+#define SIMD_LEVELS ((int)(sizeof simd_levels / sizeof simd_levels[0]))
+
 /* A quiet context of `threads` threads with the CPU features in
    disable_cpu_features turned off (~0: the portable path); NULL when it
    cannot be made. */
@@ -385,25 +443,52 @@ static inline int test_main(const test_program *p) {
     return test_summary(p->name);
 }
 
+/* A dataset over the samples of x and the labels y (NULL: none); the
+   tensors' data is borrowed, not copied. */
+static inline mpt_dataset *test_dataset_of(mpt_context *c, const mpt_tensor *x,
+                                           const mpt_tensor *y) {
+    /* no compound literals: tests/test_cuda.c includes this as C++ */
+    mpt_dataset_desc desc;
+    mpt_dataset *d = NULL;
+    memset(&desc, 0, sizeof desc);
+    desc.x = x;
+    desc.y = y;
+    CHECK(mpt_dataset_create(c, &desc, &d) == MPT_OK, "dataset: %s", mpt_context_error(c));
+    return d;
+}
+
 /* A dataset over n samples of x (n × features floats) with the int32 class
    ids y (borrowed, not copied). */
 static inline mpt_dataset *test_dataset_xy(mpt_context *c, float *x, int32_t *y, int64_t n,
                                            int64_t features) {
-    /* no compound literals: tests/test_cuda.c includes this as C++ */
     int64_t x_shape[2], y_shape[1];
     mpt_tensor tx, ty;
-    mpt_dataset_desc desc;
-    mpt_dataset *d = NULL;
     x_shape[0] = n;
     x_shape[1] = features;
     y_shape[0] = n;
     mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 2, x_shape, x);
     mpt_tensor_wrap(c, &ty, MPT_INT32, 1, y_shape, y);
-    memset(&desc, 0, sizeof desc);
-    desc.x = &tx;
-    desc.y = &ty;
-    CHECK(mpt_dataset_create(c, &desc, &d) == MPT_OK, "dataset: %s", mpt_context_error(c));
-    return d;
+    return test_dataset_of(c, &tx, &ty);
+}
+
+/* The bytes of the file at path (malloc'd, *n of them, and a 0 after them
+   for reading it as text); NULL and *n = -1 where it cannot be read whole. */
+static inline unsigned char *test_read_file(const char *path, long *n) {
+    FILE *f = fopen(path, "rb");
+    unsigned char *buf = NULL;
+    *n = -1;
+    if (!f) return NULL;
+    if (fseek(f, 0, SEEK_END) == 0 && (*n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0)
+        buf = (unsigned char *)malloc((size_t)*n + 1);
+    if (buf && fread(buf, 1, (size_t)*n, f) == (size_t)*n) {
+        buf[*n] = 0;
+    } else {
+        free(buf);
+        buf = NULL;
+        *n = -1;
+    }
+    fclose(f);
+    return buf;
 }
 
 /* Every parameter's float32 values, in the model's order, into w (room
@@ -420,6 +505,24 @@ static inline void test_weights_of(mpt_model *m, float *w, int64_t size) {
         at += count;
     }
     CHECK(at <= size, "%lld weights, room for %lld", (long long)at, (long long)size);
+}
+
+/* a and b hold the same float32 weights, bit for bit, and at least one:
+   a training repeated (profiled, on more threads) that must not change. */
+static inline int test_same_weights(mpt_model *a, mpt_model *b) {
+    int p, n = mpt_model_param_count(a);
+    if (n < 1 || n != mpt_model_param_count(b)) return 0;
+    for (p = 0; p < n; p++) {
+        mpt_param_info ia, ib;
+        int64_t count;
+        mpt_model_param(a, p, &ia);
+        mpt_model_param(b, p, &ib);
+        count = mpt_tensor_count(&ia.value);
+        if (count != mpt_tensor_count(&ib.value) ||
+            memcmp(ia.value.data, ib.value.data, sizeof(float) * (size_t)count) != 0)
+            return 0;
+    }
+    return 1;
 }
 
 /* a and b predict the same bits on d (batches of batch_size): a model and
@@ -520,6 +623,18 @@ static inline void test_expect_error(mpt_context *q, mpt_status got, mpt_status 
           mpt_context_error(q), words);
 }
 
+/* Neither quantization takes m: mpt_model_quantize (by default) and
+   mpt_model_quantize_aware both refuse it, MPT_ERR_UNSUPPORTED with a
+   message (q's) that holds words, and no quantized model comes back. */
+static inline void test_quantize_refused(mpt_context *q, mpt_model *m, const char *words) {
+    mpt_model *qm = NULL;
+    test_expect_error(q, mpt_model_quantize(m, NULL, &qm), MPT_ERR_UNSUPPORTED, words, "quantize");
+    CHECK(qm == NULL, "quantize gave a model");
+    mpt_model_destroy(qm);
+    test_expect_error(q, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED, words,
+                      "quantize_aware");
+}
+
 /* What a printer received (mpt_printer {test_text_append, &t}): each text
    appended to buf while it fits, one that does not dropped whole. */
 typedef struct test_text {
@@ -592,6 +707,17 @@ static inline const char *test_summary_misaligned(const char *text) {
     return NULL;
 }
 
+/* m's summary, into text (size bytes), is aligned (test_summary_misaligned)
+   and holds a and b. */
+static inline void test_summary_holds(mpt_model *m, char *text, size_t size, const char *a,
+                                      const char *b) {
+    const char *why;
+    mpt_model_summary(m, text, size);
+    why = test_summary_misaligned(text);
+    CHECK(strstr(text, a) && strstr(text, b) && !why, "%s in\n%s", why ? why : "a name missing",
+          text);
+}
+
 #ifndef MPT_NO_IMPLEMENTATION
 /* ‖a − b‖ / ‖b‖ over every weight of two models of one architecture (NaN
    if either has one); reads the models' private parameters. */
@@ -606,6 +732,23 @@ static inline double test_weight_diff(const mpt_model *a, const mpt_model *b) {
             den += y * y;
         }
     return sqrt(num / den);
+}
+
+/* Every byte of every parameter and optimizer slot of two models of one
+   architecture, and their step counters and loss scale: the same training,
+   bit for bit; reads the models' private parameters. */
+static inline int test_same_state(const mpt_model *a, const mpt_model *b) {
+    int i, s;
+    if (a->n_params != b->n_params) return 0;
+    for (i = 0; i < a->n_params; i++) {
+        const mpt__param *p = &a->params[i], *q = &b->params[i];
+        if (memcmp(p->value, q->value, sizeof(float) * (size_t)p->count)) return 0;
+        for (s = 0; s < a->n_slots; s++)
+            if (p->slot[s] && memcmp(p->slot[s], q->slot[s], sizeof(float) * (size_t)p->count))
+                return 0;
+    }
+    return a->optimizer_steps == b->optimizer_steps && a->loss_scale == b->loss_scale &&
+           a->step == b->step && a->skipped_steps == b->skipped_steps;
 }
 
 /* Reads architecture JSON text as mpt_model_load reads a file's (parse,

@@ -146,6 +146,26 @@ static inline int test_python_script(char *cmd, size_t size, const char *dir, co
     return snprintf(cmd, size, "'%s' '%s' '%s' 2>&1", test_python(), script, arg) < (int)size;
 }
 
+#if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 200809L /* popen, pclose */
+/* Runs the Python program `text` (written to dir/name) on arg and hands
+   each line of its output, its newline removed, to line(user, text). 1
+   when the program ran and exited with status 0. */
+static inline int test_python_lines(const char *dir, const char *name, const char *text,
+                                    const char *arg, void (*line)(void *user, const char *text),
+                                    void *user) {
+    char cmd[1024], buf[8192];
+    FILE *p;
+    if (!test_python_script(cmd, sizeof cmd, dir, name, text, arg)) return 0;
+    p = popen(cmd, "r");
+    if (!p) return 0;
+    while (fgets(buf, sizeof buf, p)) {
+        buf[strcspn(buf, "\n")] = 0;
+        line(user, buf);
+    }
+    return pclose(p) == 0;
+}
+#endif
+
 /* 1 when test_python() imports `modules` ("numpy, safetensors.numpy").
    Else 0, and the running test is skipped, or fails where build.sh has
    installed the packages (MPT_TEST_PYTHON_REQUIRED=1): there a missing

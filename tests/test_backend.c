@@ -897,19 +897,6 @@ static mpt_model *image_model(mpt_context *c, mpt_policy policy) {
     return image_model_with(c, policy, NULL, 0);
 }
 
-static int same_params(const mpt_model *a, const mpt_model *b) {
-    int i, s;
-    for (i = 0; i < a->n_params; i++) {
-        const mpt__param *p = &a->params[i], *q = &b->params[i];
-        if (memcmp(p->value, q->value, sizeof(float) * (size_t)p->count)) return 0;
-        for (s = 0; s < a->n_slots; s++)
-            if (p->slot[s] && memcmp(p->slot[s], q->slot[s], sizeof(float) * (size_t)p->count))
-                return 0;
-    }
-    return a->optimizer_steps == b->optimizer_steps && a->loss_scale == b->loss_scale &&
-           a->step == b->step && a->skipped_steps == b->skipped_steps;
-}
-
 static int same_history(const mpt_model *a, const mpt_model *b) {
     mpt_history ha, hb;
     int k, e;
@@ -953,7 +940,7 @@ static void test_fit_matches_the_cpu(void) {
         CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
         CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s",
               mpt_context_error(dc));
-        CHECK(same_params(cpu, gpu), "policy %d: weights differ after fit", k);
+        CHECK(test_same_state(cpu, gpu), "policy %d: weights differ after fit", k);
         CHECK(same_history(cpu, gpu), "policy %d: histories differ", k);
         CHECK(mpt_model_evaluate(cpu, d_cpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_cpu) ==
                       MPT_OK &&
@@ -1006,7 +993,7 @@ static void fit_both_alike(mpt_context *dc, mpt_model *cpu, mpt_model *gpu,
     fit.validation_split = 0.2f;
     CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
-    CHECK(same_params(cpu, gpu), "weights differ after fit");
+    CHECK(test_same_state(cpu, gpu), "weights differ after fit");
     CHECK(same_history(cpu, gpu), "histories differ");
 }
 
@@ -1067,7 +1054,7 @@ static void fit_bytes(mpt_policy policy, int replicas, feed_mode mode) {
     fit_both_alike(dc, cpu, gpu, d_cpu, d_gpu);
     unsetenv("MPT_RESIDENT");
     unsetenv("MPT_UPLOAD_BYTES");
-    CHECK(!replicas || same_params(cpu->replica[1], gpu->replica[1]),
+    CHECK(!replicas || test_same_state(cpu->replica[1], gpu->replica[1]),
           "policy %d, mode %d: replica 1's weights differ from the CPU's", (int)policy, (int)mode);
     if (mode == FEED_HOST) images *= (long)mpt_dtype_size(mpt__input_batch_dtype(gpu));
     if (mode == FEED_RESIDENT && !replicas) images = 0, labels = 4 * BATCH; /* the indices */
@@ -1140,7 +1127,7 @@ static void test_sample_weights_match_the_cpu(void) {
     fit.class_weight_count = CLASSES;
     CHECK(mpt_model_fit(cpu_model, d_cpu, &fit) == MPT_OK, "cpu fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "device fit: %s", mpt_context_error(dc));
-    CHECK(same_params(cpu_model, gpu), "weights differ after a weighted fit");
+    CHECK(test_same_state(cpu_model, gpu), "weights differ after a weighted fit");
     CHECK(same_history(cpu_model, gpu), "histories differ");
     CHECK(history_value(gpu, "val_weighted_accuracy", 1) >= 0, "no val_weighted_accuracy");
     CHECK(mpt_model_evaluate(cpu_model, d_cpu, &(mpt_evaluate_desc){.batch_size = 50}, &l_cpu) ==
@@ -1225,7 +1212,7 @@ static void test_r2_score_and_auc_match_the_cpu(void) {
     CHECK(mpt_model_fit(gpu, d_gpu, &(mpt_fit_desc){.epochs = 2, .batch_size = BATCH,
                                                     .validation_split = 0.2f}) == MPT_OK,
           "device fit: %s", mpt_context_error(dc));
-    CHECK(same_params(cpu_model, gpu), "weights differ");
+    CHECK(test_same_state(cpu_model, gpu), "weights differ");
     CHECK(same_history(cpu_model, gpu), "histories differ");
     CHECK(history_value(gpu, "val_weighted_auc", 1) > 0 && history_value(gpu, "auc", 1) > 0,
           "val_weighted_auc %g, auc %g", history_value(gpu, "val_weighted_auc", 1),
@@ -1358,12 +1345,9 @@ static mpt_model *attention_model(mpt_context *c) {
 
 static mpt_dataset *attention_dataset(mpt_context *c) {
     mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
     mpt_tensor_wrap(c, &tx, MPT_INT32, 2, (int64_t[]){N, SEQ_T}, seq_x);
     mpt_tensor_wrap(c, &ty, MPT_INT32, 2, (int64_t[]){N, SEQ_T}, seq_y);
-    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(c));
-    return d;
+    return test_dataset_of(c, &tx, &ty);
 }
 
 static void test_fit_attention_matches_the_cpu(void) {
@@ -1488,7 +1472,7 @@ static void fit_inputs_on_the_device(int replicas) {
     cpu = inputs_model(ctx, s_cpu);
     gpu = inputs_model(dc, s_dev);
     fit_both_alike(dc, cpu, gpu, d_cpu, d_gpu);
-    CHECK(replicas == 1 || same_params(cpu->replica[1], gpu->replica[1]),
+    CHECK(replicas == 1 || test_same_state(cpu->replica[1], gpu->replica[1]),
           "replica 1 differs between the CPU and the device");
     CHECK(dev.replays > 0 && dev.unrecordable == 0, "%d replicas: %ld replays, %ld calls a graph "
           "cannot hold", replicas, dev.replays, dev.unrecordable);
@@ -1559,13 +1543,7 @@ static mpt_model *outputs_model(mpt_context *c, mpt_strategy *s) {
     mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.units = CLASSES,
                                                               .activation = MPT_ACT_SOFTMAX}));
     mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.units = 1}));
-    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
-                                   .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                              {.type = MPT_LOSS_MEAN_SQUARED_ERROR}},
-                                   .loss_weights = (const float[]){1.0f, 0.5f},
-                                   .output_metrics = {MPT_METRIC_ACCURACY,
-                                                      MPT_METRIC_MEAN_ABSOLUTE_ERROR}}) == MPT_OK,
-          "compile: %s", mpt_context_error(c));
+    test_compile_class_and_number(c, m, (mpt_optimizer_desc){0});
     return m;
 }
 
@@ -1648,16 +1626,16 @@ static void test_checkpoints_cross(void) {
     CHECK(mpt_model_save_checkpoint(gpu, path) == MPT_OK, "save: %s", mpt_context_error(dc));
     CHECK(mpt_model_build(cpu, BATCH) == MPT_OK && mpt_model_load_checkpoint(cpu, path) == MPT_OK,
           "load on the CPU: %s", mpt_context_error(ctx));
-    CHECK(same_params(cpu, gpu), "the CPU's copy differs from the device's");
+    CHECK(test_same_state(cpu, gpu), "the CPU's copy differs from the device's");
     CHECK(mpt_model_save_checkpoint(cpu, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
     CHECK(mpt_model_build(back, BATCH) == MPT_OK && mpt_model_load_checkpoint(back, path) == MPT_OK,
           "load on the device: %s", mpt_context_error(dc));
-    CHECK(same_params(back, gpu), "the round trip changed the state");
+    CHECK(test_same_state(back, gpu), "the round trip changed the state");
     fit.initial_epoch = 2;
     fit.epochs = 3;
     CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK && mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK,
           "resume: %s / %s", mpt_context_error(dc), mpt_context_error(ctx));
-    CHECK(same_params(cpu, gpu), "resumed runs diverge");
+    CHECK(test_same_state(cpu, gpu), "resumed runs diverge");
     CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
     remove(path);
     mpt_model_destroy(gpu);
@@ -1703,7 +1681,7 @@ static void test_early_stopping_restores(void) {
     CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(dc));
     CHECK(mpt_model_epoch(cpu) == 2 && mpt_model_epoch(gpu) == 2, "stopped after %d / %d epochs",
           mpt_model_epoch(cpu), mpt_model_epoch(gpu));
-    CHECK(same_params(cpu, gpu), "restored weights differ");
+    CHECK(test_same_state(cpu, gpu), "restored weights differ");
     CHECK(dev.stray == 0, "%ld host pointers reached the device's functions", dev.stray);
     mpt_callback_destroy(&cb_cpu);
     mpt_callback_destroy(&cb_gpu);
@@ -1785,7 +1763,7 @@ static void mirrored_on_the_device(int synchronized) {
     fit.batch_size = BATCH;
     CHECK(mpt_model_fit(cpu, d_cpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(dc));
-    CHECK(same_params(cpu, gpu) && same_params(cpu->replica[1], gpu->replica[1]),
+    CHECK(test_same_state(cpu, gpu) && test_same_state(cpu->replica[1], gpu->replica[1]),
           "synchronized %d: replicated weights differ between the CPU and the device",
           synchronized);
     CHECK(same_history(cpu, gpu), "synchronized %d: histories differ", synchronized);
@@ -1894,7 +1872,7 @@ static void mirrored_on_two_devices(int synchronized) {
     CHECK(mpt_model_fit(gpu, d_gpu, &fit) == MPT_OK, "fit: %s", mpt_context_error(dc));
     CHECK(gpu->n_replicas == 2 && gpu->replica[1]->impl == (void *)second,
           "replica 1 is not on the second device");
-    CHECK(same_params(cpu_model, gpu) && same_params(cpu_model->replica[1], gpu->replica[1]),
+    CHECK(test_same_state(cpu_model, gpu) && test_same_state(cpu_model->replica[1], gpu->replica[1]),
           "synchronized %d: weights on two devices differ from two replicas on the CPU",
           synchronized);
     CHECK(same_history(cpu_model, gpu), "synchronized %d: histories differ", synchronized);

@@ -40,24 +40,6 @@ static const char *path_of(char *buf, const char *name) {
     return buf;
 }
 
-/* The whole file (malloc'd; NULL if it cannot be read), its size in *n. */
-static unsigned char *slurp(const char *path, long *n) {
-    FILE *f = fopen(path, "rb");
-    unsigned char *buf;
-    *n = -1;
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    *n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    buf = (unsigned char *)malloc((size_t)*n + 1);
-    if (buf && fread(buf, 1, (size_t)*n, f) != (size_t)*n) {
-        free(buf);
-        buf = NULL;
-    }
-    fclose(f);
-    return buf;
-}
-
 static void spit(const char *path, const void *bytes, size_t n) {
     FILE *f = fopen(path, "wb");
     if (f) {
@@ -82,7 +64,7 @@ static void write_st(const char *path, const char *json, const void *data, size_
 /* The header's JSON of a safetensors file (malloc'd), or NULL. */
 static char *header_of(const char *path) {
     long n;
-    unsigned char *b = slurp(path, &n);
+    unsigned char *b = test_read_file(path, &n);
     unsigned long long len = 0;
     char *json = NULL;
     int i;
@@ -381,7 +363,7 @@ static void test_full_round_trip(void) {
 static void check_layout(const char *path, const char *json, const unsigned char *data,
                          size_t data_len) {
     long n;
-    unsigned char *b = slurp(path, &n);
+    unsigned char *b = test_read_file(path, &n);
     size_t len = strlen(json), padded = (len + 7) / 8 * 8, i;
     unsigned long long N = 0;
     CHECK(b != NULL, "read %s", path);
@@ -543,7 +525,7 @@ static void test_mismatches(void) {
     /* The same checkpoint without its metadata: the slot entries decide. */
     m = make_model(base);
     compile_with(m, MPT_OPTIMIZER_SGD, 0.9f);
-    bytes = slurp(c, &n);
+    bytes = test_read_file(c, &n);
     if (bytes) {
         char *json = header_of(c), *meta_end = json ? strstr(json, "},\"train/") : NULL;
         unsigned long long N = 0;
@@ -565,7 +547,7 @@ static void test_mismatches(void) {
 
     /* A checkpoint whose loss scale is negative: every scalar is checked
        before the weights are read. */
-    bytes = slurp(c, &n);
+    bytes = test_read_file(c, &n);
     if (bytes) {
         unsigned long long N = 0;
         int i;
@@ -639,7 +621,7 @@ static void test_mismatches(void) {
 static void patch_data(const char *src, const char *dst, long long at, const void *bytes,
                        size_t n) {
     long len;
-    unsigned char *b = slurp(src, &len);
+    unsigned char *b = test_read_file(src, &len);
     unsigned long long N = 0;
     int i;
     if (!b) return;
@@ -676,7 +658,7 @@ static long long tensor_begin(const char *path, const char *name) {
 /* The file at src without its __metadata__, as dst. */
 static void strip_metadata(const char *src, const char *dst) {
     long n;
-    unsigned char *bytes = slurp(src, &n);
+    unsigned char *bytes = test_read_file(src, &n);
     char *json = header_of(src), *meta_end = json ? strstr(json, "},\"") : NULL;
     unsigned long long N = 0;
     int i;
@@ -1194,7 +1176,7 @@ static void test_crash_safety(void) {
     CHECK(m && compile_with(m, MPT_OPTIMIZER_ADAM, 0) == MPT_OK, "compile");
     if (m) fill_model(m, 0.0f);
     CHECK(mpt_model_save_weights(m, path_of(p, "safe.safetensors")) == MPT_OK, "save v1");
-    v1 = slurp(p, &n1);
+    v1 = test_read_file(p, &n1);
     json = header_of(p);
     CHECK(v1 && json, "read v1");
     test__end("crash safety: the first version is saved");
@@ -1218,7 +1200,7 @@ static void test_crash_safety(void) {
         CHECK(strstr(mpt_context_error(ctx), p) && strstr(mpt_context_error(ctx), "No space"),
               "message names the file and the cause: %s", mpt_context_error(ctx));
         fail_after = -1;
-        now = slurp(p, &n);
+        now = test_read_file(p, &n);
         CHECK(now && n == n1 && memcmp(now, v1, (size_t)n) == 0, "the old file is intact");
         CHECK(files_starting("safe.safetensors.tmp") == 0, "no temporary file is left");
         free(now);
@@ -1825,7 +1807,7 @@ static void test_qat_mismatch(void) {
 /* src with `from` in its header replaced by `to` (the header padded again), as dst. */
 static void patch_header(const char *src, const char *dst, const char *from, const char *to) {
     long n;
-    unsigned char *bytes = slurp(src, &n);
+    unsigned char *bytes = test_read_file(src, &n);
     char *json = header_of(src), *at = json ? strstr(json, from) : NULL, *edited;
     size_t len, N;
     CHECK(at != NULL, "'%s' is in the header of %s", from, src);

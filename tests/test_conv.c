@@ -1085,18 +1085,8 @@ static void test_determinism(void) {
 
 /* ---- the direct convolution against im2col + GEMM + col2im ------------------ */
 
-/* The SIMD levels the CPU dispatches on, forced by disabling the features
-   above each (the direct convolution runs at the two AVX-512 ones). */
-static const struct {
-    const char *name;
-    int disable, needs;
-} levels[] = {
-    {"scalar", ~0, 0},
-    {"avx2", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16, MPT_CPU_AVX2},
-    {"avx512", MPT_CPU_AVX512_BF16, MPT_CPU_AVX512},
-    {"avx512bf16", 0, MPT_CPU_AVX512_BF16},
-};
-#define LEVELS ((int)(sizeof levels / sizeof levels[0]))
+/* The SIMD levels: helpers.h's simd_levels (the direct convolution runs
+   at the two AVX-512 ones). */
 
 static int direct_calls;      /* conv_direct calls that did the work */
 static int kernel_grad_calls; /* of them, kernel gradients          */
@@ -1144,7 +1134,7 @@ static void run_conv_layer_as(int level, int threads, const layer_ref *d, int64_
     memset(&cd, 0, sizeof cd);
     memset(r, 0, sizeof *r);
     cd.num_threads = threads;
-    cd.disable_cpu_features = levels[level].disable;
+    cd.disable_cpu_features = simd_levels[level].disable;
     mpt_context_create(&cd, &c);
     mpt__cpu_table.conv_direct = direct ? counting_conv_direct : NULL;
     xs[0] = batch, xs[1] = d->g.h, xs[2] = d->g.w, xs[3] = d->g.c;
@@ -1290,11 +1280,12 @@ static void test_direct_conv(void) {
                                    test_randint(0, 1));
         n_cases++;
     }
-    for (level = 0; level < LEVELS; level++) {
+    for (level = 0; level < SIMD_LEVELS; level++) {
         mpt_context *probe = NULL;
-        mpt_context_create(&(mpt_context_desc){.disable_cpu_features = levels[level].disable},
+        mpt_context_create(&(mpt_context_desc){.disable_cpu_features = simd_levels[level].disable},
                            &probe);
-        k = (mpt_context_cpu_features(probe) & levels[level].needs) == levels[level].needs;
+        k = (mpt_context_cpu_features(probe) & simd_levels[level].needs) ==
+            simd_levels[level].needs;
         mpt_context_destroy(probe);
         if (!k) continue;
         for (k = 0; k < n_cases; k++)
@@ -1388,7 +1379,7 @@ static void test_direct_conv(void) {
                 }
                 test__end("direct conv %s B=%lld in=(%lld,%lld,%lld) f=%lld k=(%lld,%lld) "
                           "s=(%lld,%lld) %s %s %s",
-                          levels[level].name, (long long)batch, (long long)d->g.h,
+                          simd_levels[level].name, (long long)batch, (long long)d->g.h,
                           (long long)d->g.w, (long long)d->g.c, (long long)d->f,
                           (long long)d->g.kh, (long long)d->g.kw, (long long)d->g.sh,
                           (long long)d->g.sw, pad_name(d->g.pad), mpt_activation_name(d->act),
@@ -1803,7 +1794,7 @@ static void test_backward_elementwise_threads(void) {
         {MPT_ACT_TANH, MPT_FLOAT32, 700, 1031},
     };
     int k, threads, level;
-    for (level = 0; level < LEVELS; level++)
+    for (level = 0; level < SIMD_LEVELS; level++)
     for (k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++)
         for (threads = 1; threads <= 2; threads++) {
             const int64_t rows = cases[k].rows, cols = cases[k].cols, n = rows * cols;
@@ -1820,12 +1811,14 @@ static void test_backward_elementwise_threads(void) {
             mpt_context *c = NULL, *one = NULL;
             int64_t i, r;
             test__begin();
-            mpt_context_create(&(mpt_context_desc){.num_threads = threads,
-                                                   .disable_cpu_features = levels[level].disable},
-                               &c);
-            mpt_context_create(&(mpt_context_desc){.num_threads = 1,
-                                                   .disable_cpu_features = levels[level].disable},
-                               &one);
+            mpt_context_create(
+                &(mpt_context_desc){.num_threads = threads,
+                                    .disable_cpu_features = simd_levels[level].disable},
+                &c);
+            mpt_context_create(
+                &(mpt_context_desc){.num_threads = 1,
+                                    .disable_cpu_features = simd_levels[level].disable},
+                &one);
             test_seed(61 + (uint64_t)k);
             for (i = 0; i < n; i++) {
                 mpt__store_f32(dt, z, i, (float)test_uniform(-3, 3));
@@ -1850,9 +1843,9 @@ static void test_backward_elementwise_threads(void) {
                 for (i = 0; i < cols; i++) want_sums[i] += want[r * cols + i];
             CHECK(memcmp(sums, want_sums, sizeof(float) * (size_t)cols) == 0,
                   "column sums differ from rows added in order");
-            test__end("backward elementwise %s %s %s %lldx%lld on %d threads", levels[level].name,
-                      mpt_activation_name(cases[k].act), mpt_dtype_name(dt), (long long)rows,
-                      (long long)cols, threads);
+            test__end("backward elementwise %s %s %s %lldx%lld on %d threads",
+                      simd_levels[level].name, mpt_activation_name(cases[k].act),
+                      mpt_dtype_name(dt), (long long)rows, (long long)cols, threads);
             mpt_context_destroy(c);
             mpt_context_destroy(one);
             free(z), free(y), free(dy), free(dz), free(want), free(tmp), free(sums),
@@ -1879,7 +1872,7 @@ static void test_dz_and_bias_grad(void) {
         {MPT_ACT_NONE, MPT_FLOAT32, 70001, 3},  {MPT_ACT_RELU, MPT_BFLOAT16, 50, 16},
     };
     int k, threads, level, accumulate;
-    for (level = 0; level < LEVELS; level++)
+    for (level = 0; level < SIMD_LEVELS; level++)
     for (k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++)
         for (threads = 1; threads <= 2; threads++)
         for (accumulate = 0; accumulate <= 1; accumulate++) {
@@ -1901,9 +1894,10 @@ static void test_dz_and_bias_grad(void) {
             int64_t i, r, b;
             int close = 1;
             test__begin();
-            mpt_context_create(&(mpt_context_desc){.num_threads = threads,
-                                                   .disable_cpu_features = levels[level].disable},
-                               &c);
+            mpt_context_create(
+                &(mpt_context_desc){.num_threads = threads,
+                                    .disable_cpu_features = simd_levels[level].disable},
+                &c);
             mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
             test_seed(71 + (uint64_t)k);
             for (i = 0; i < n; i++) {
@@ -1946,8 +1940,8 @@ static void test_dz_and_bias_grad(void) {
                       sums[0] == 7.0f && memcmp(dz, want, es * (size_t)n) == 0,
                   "GELU declined, nothing written");
             test__end("dz and bias gradient %s %s %s %lldx%lld on %d threads%s",
-                      levels[level].name, mpt_activation_name(cases[k].act), mpt_dtype_name(dt),
-                      (long long)rows, (long long)cols, threads,
+                      simd_levels[level].name, mpt_activation_name(cases[k].act),
+                      mpt_dtype_name(dt), (long long)rows, (long long)cols, threads,
                       accumulate ? ", accumulated" : "");
             mpt_context_destroy(c);
             mpt_context_destroy(one);

@@ -48,13 +48,19 @@ static mpt_tensor ids_tensor(int32_t *ids, int64_t n, int64_t t) {
    against ref (double), then every trainable parameter's gradient of
    Σ r·y, r random, against central differences of the reference. */
 
+/* A parameter's value: uniform in [-1, 1), whatever its name. */
+static double uniform_value(const char *name) {
+    (void)name;
+    return test_uniform(-1, 1);
+}
+
 typedef void (*ids_ref_fn)(const int32_t *ids, int64_t batch, double *const *p, double *y);
 
 static void ids_gradcheck(mpt_model *m, const int32_t *ids, int64_t batch, int64_t t,
                           ids_ref_fn ref, const char *label) {
-    int n_params = mpt_model_param_count(m), p, n_layers = mpt_model_layer_count(m), l;
+    int n_params = mpt_model_param_count(m), p, n_layers = mpt_model_layer_count(m);
     int64_t out_shape[4], out_count = 1, i, j, n_out;
-    mpt_dtype worst = MPT_FLOAT32, out_dtype = mpt_model_layer_dtype(m, n_layers - 1);
+    mpt_dtype worst = gc_worst_dtype(m), out_dtype = mpt_model_layer_dtype(m, n_layers - 1);
     double *params[8], *y, *y_ref, *r, tol_fwd, tol_grad;
     float *rf, *yf;
     mpt_param_info info[8];
@@ -63,24 +69,10 @@ static void ids_gradcheck(mpt_model *m, const int32_t *ids, int64_t batch, int64
     int rank = mpt_model_layer_output_shape(m, n_layers - 1, out_shape);
     for (i = 0; i < rank; i++) out_count *= out_shape[i];
     n_out = batch * out_count;
-    for (l = 0; l < n_layers; l++) {
-        mpt_dtype d = mpt_model_layer_dtype(m, l);
-        if (d == MPT_BFLOAT16 || (d == MPT_FLOAT16 && worst == MPT_FLOAT32)) worst = d;
-    }
-    tol_fwd = worst == MPT_FLOAT32 ? 1e-5 : worst == MPT_FLOAT16 ? 5e-3 : 3e-2;
-    tol_grad = worst == MPT_FLOAT32 ? 1e-4 : worst == MPT_FLOAT16 ? 1e-2 : 6e-2;
+    gc_tolerance(worst, &tol_fwd, &tol_grad);
     CHECK(n_params <= 8, "%s: %d parameters", label, n_params);
     if (n_params > 8) return;
-    for (p = 0; p < n_params; p++) {
-        float *v;
-        int64_t n;
-        mpt_model_param(m, p, &info[p]);
-        v = (float *)info[p].value.data;
-        n = mpt_tensor_count(&info[p].value);
-        params[p] = (double *)calloc((size_t)n, sizeof(double));
-        for (j = 0; j < n; j++) params[p][j] = v[j] = (float)round_to(worst, test_uniform(-1, 1));
-    }
-    mpt_model_refresh_weights(m);
+    gc_fresh_params(m, n_params, worst, uniform_value, info, params);
     y = (double *)calloc((size_t)n_out, sizeof(double));
     y_ref = (double *)calloc((size_t)n_out, sizeof(double));
     r = (double *)calloc((size_t)n_out, sizeof(double));
@@ -326,17 +318,10 @@ static void pattern_data(int32_t *x, int32_t *y, int64_t n) {
 }
 
 static mpt_dataset *ids_dataset(mpt_context *c, int32_t *x, int32_t *y, int64_t n, int64_t t) {
-    int64_t xs[2], ys[1];
     mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
-    xs[0] = n;
-    xs[1] = t;
-    ys[0] = n;
-    mpt_tensor_wrap(c, &tx, MPT_INT32, 2, xs, x);
-    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, ys, y);
-    CHECK(mpt_dataset_create(c, &(mpt_dataset_desc){.x = &tx, .y = y ? &ty : NULL}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(c));
-    return d;
+    mpt_tensor_wrap(c, &tx, MPT_INT32, 2, (int64_t[]){n, t}, x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, (int64_t[]){n}, y);
+    return test_dataset_of(c, &tx, y ? &ty : NULL);
 }
 
 static mpt_model *language_model_on(mpt_context *c, mpt_policy policy, mpt_strategy *strategy) {
@@ -749,14 +734,7 @@ static void test_exported_not_quantized(void) {
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2, .activation = MPT_ACT_SOFTMAX});
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
     mpt_model_refresh_weights(m); /* as trained */
-    {
-        mpt_model *q = NULL;
-        test_expect_error(ctx, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,
-                          "'embedding' (Embedding)", "quantize");
-        CHECK(q == NULL, "quantize gave a model");
-    }
-    test_expect_error(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "'embedding' (Embedding)", "quantize_aware");
+    test_quantize_refused(ctx, m, "'embedding' (Embedding)");
     mpt_model_destroy(m);
 }
 

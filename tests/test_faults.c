@@ -43,6 +43,12 @@ static int blob_same(blob a, blob b) {
     return a.bytes && b.bytes && a.n == b.n && memcmp(a.bytes, b.bytes, a.n) == 0;
 }
 
+static blob blob_copy(blob b) {
+    blob c = {NULL, 0};
+    if (b.bytes) blob_put(&c, b.bytes, b.n);
+    return c;
+}
+
 static void blob_free(blob *b) {
     free(b->bytes);
     b->bytes = NULL;
@@ -339,6 +345,24 @@ static void run_fault_op(fixture *fx, const fault_op *op) {
 
 /* ---- saving --------------------------------------------------------------------- */
 
+/* What request k's run (status s) left, now (a file's bytes, a model's
+   whole state), against what was there before it and what the reference
+   run (k = 0) left, *done, kept then: the reference run must change
+   something (ref: what), a run that succeeds despite a refusal must leave
+   exactly *done (ok: what). 1 for a run that failed: the caller checks
+   that it left things as they were. */
+static int failed_run(blob now, long k, mpt_status s, blob *done, blob before, const char *ref,
+                      const char *ok) {
+    if (k == 0) {
+        blob_free(done);
+        *done = blob_copy(now);
+        CHECK(done->bytes && !blob_same(*done, before), "%s", ref);
+    } else if (s == MPT_OK) {
+        CHECK(blob_same(now, *done), "request %ld refused, %s", k, ok);
+    }
+    return k != 0 && s != MPT_OK;
+}
+
 static blob saved_before; /* what is at the target before the save (odd k)     */
 static blob saved_after;  /* what the save writes (the reference run's file)   */
 
@@ -357,19 +381,14 @@ static mpt_status save_checkpoint_run(fixture *fx) {
 
 static void save_check(fixture *fx, mpt_status s, long k) {
     blob now = slurp(fx->target);
-    if (k == 0) {
-        blob_free(&saved_after);
-        saved_after = slurp(fx->target);
-        CHECK(saved_after.bytes && !blob_same(saved_after, saved_before),
-              "the reference save wrote a new file");
-    } else if (s == MPT_OK) {
-        CHECK(blob_same(now, saved_after), "request %ld refused, save succeeded: the file is "
-              "the complete new one", k);
-    } else if (k % 2 == 1) {
-        CHECK(blob_same(now, saved_before), "request %ld refused: the previous file is intact",
-              k);
-    } else {
-        CHECK(now.bytes == NULL, "request %ld refused: no file appears where there was none", k);
+    if (failed_run(now, k, s, &saved_after, saved_before, "the reference save wrote a new file",
+                   "save succeeded: the file is the complete new one")) {
+        if (k % 2 == 1)
+            CHECK(blob_same(now, saved_before),
+                  "request %ld refused: the previous file is intact", k);
+        else
+            CHECK(now.bytes == NULL, "request %ld refused: no file appears where there was none",
+                  k);
     }
     CHECK(temporaries("") == 0, "request %ld refused: %d temporary files left", k,
           temporaries(""));
@@ -397,23 +416,27 @@ static mpt_status load_checkpoint_run(fixture *fx) {
 
 static void load_check(fixture *fx, mpt_status s, long k) {
     blob now = model_state(fx->m);
-    if (k == 0) {
-        blob_free(&state_loaded);
-        state_loaded = model_state(fx->m);
-        CHECK(!blob_same(state_loaded, state_before), "the reference load changed the model");
-    } else if (s == MPT_OK) {
-        CHECK(blob_same(now, state_loaded), "request %ld refused, load succeeded: fully loaded",
-              k);
-    } else {
+    if (failed_run(now, k, s, &state_loaded, state_before, "the reference load changed the model",
+                   "load succeeded: fully loaded"))
         CHECK(blob_same(now, state_before), "request %ld refused: the model is exactly as before "
               "(masters, compute copies, optimizer slots, training scalars)", k);
-    }
     blob_free(&now);
 }
 
 /* ---- building ------------------------------------------------------------------- */
 
 static mpt_model *built; /* the model the build tests make */
+
+/* The layers of the models built here, after the first failure s (if any)
+   none: Dense(16, relu) → BatchNormalization (→ Dropout(0.25)) → Dense(3). */
+static mpt_status add_layers(mpt_model *m, mpt_status s, int dropout) {
+    if (s == MPT_OK)
+        s = mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    if (s == MPT_OK) s = mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
+    if (s == MPT_OK && dropout) s = mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f});
+    if (s == MPT_OK) s = mpt_model_add_dense(m, &(mpt_dense_desc){.units = 3});
+    return s;
+}
 
 static mpt_status build_run(fixture *fx, int compile_first) {
     mpt_compile_desc cd;
@@ -426,11 +449,7 @@ static mpt_status build_run(fixture *fx, int compile_first) {
     s = mpt_model_create(fx->c, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1,
                                                   .policy = MPT_POLICY_MIXED_FLOAT16, .seed = 3},
                          &built);
-    if (s == MPT_OK)
-        s = mpt_model_add_dense(built, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
-    if (s == MPT_OK) s = mpt_model_add_batch_normalization(built, &(mpt_batchnorm_desc){0});
-    if (s == MPT_OK) s = mpt_model_add_dropout(built, &(mpt_dropout_desc){.rate = 0.25f});
-    if (s == MPT_OK) s = mpt_model_add_dense(built, &(mpt_dense_desc){.units = 3});
+    s = add_layers(built, s, 1);
     if (s == MPT_OK && compile_first) s = mpt_model_compile(built, &cd);
     if (s == MPT_OK) s = mpt_model_build(built, 8);
     if (s == MPT_OK && !compile_first) s = mpt_model_compile(built, &cd);
@@ -615,10 +634,7 @@ static mpt_status mirrored_run(fixture *fx) {
                                                       .policy = MPT_POLICY_MIXED_FLOAT16,
                                                       .seed = 3, .strategy = mirrored},
                              &built);
-    if (s == MPT_OK)
-        s = mpt_model_add_dense(built, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
-    if (s == MPT_OK) s = mpt_model_add_batch_normalization(built, &(mpt_batchnorm_desc){0});
-    if (s == MPT_OK) s = mpt_model_add_dense(built, &(mpt_dense_desc){.units = 3});
+    s = add_layers(built, s, 0);
     if (s == MPT_OK) {
         mpt_compile_desc cd;
         memset(&cd, 0, sizeof cd);

@@ -68,6 +68,16 @@ static void write_images(const char *path) {
     write_bytes(path, b, sizeof b);
 }
 
+/* Valid IDX labels and images in dir, the loaders' other file: their paths
+   into labels and images (IDX_PATH bytes each). */
+#define IDX_PATH 128
+static void write_idx_files(char *labels, char *images) {
+    snprintf(labels, IDX_PATH, "%s/labels-idx1-ubyte", dir);
+    snprintf(images, IDX_PATH, "%s/images-idx3-ubyte", dir);
+    write_labels(labels);
+    write_images(images);
+}
+
 static void expect_refusal(mpt_status s, const char *path, const char *kind, const char *what) {
     CHECK(s == MPT_ERR_IO, "%s: status %s, want i/o error (%s)", what, mpt_status_string(s),
           mpt_context_error(ctx));
@@ -123,12 +133,9 @@ static void check_loaders(const char *path, const char *kind, const char *labels
 }
 
 static void test_fifo(void) {
-    char fifo[128], labels[128], images[128];
+    char fifo[128], labels[IDX_PATH], images[IDX_PATH];
     snprintf(fifo, sizeof fifo, "%s/weights.safetensors", dir);
-    snprintf(labels, sizeof labels, "%s/labels-idx1-ubyte", dir);
-    snprintf(images, sizeof images, "%s/images-idx3-ubyte", dir);
-    write_labels(labels);
-    write_images(images);
+    write_idx_files(labels, images);
     CHECK(mkfifo(fifo, 0600) == 0, "mkfifo %s", fifo);
     check_loaders(fifo, "a FIFO", labels, images);
     remove(fifo);
@@ -156,12 +163,9 @@ static void test_fifo_gz(void) {
 }
 
 static void test_device_and_directory(void) {
-    char labels[128], images[128], sub[128];
-    snprintf(labels, sizeof labels, "%s/labels-idx1-ubyte", dir);
-    snprintf(images, sizeof images, "%s/images-idx3-ubyte", dir);
+    char labels[IDX_PATH], images[IDX_PATH], sub[128];
     snprintf(sub, sizeof sub, "%s/sub", dir);
-    write_labels(labels);
-    write_images(images);
+    write_idx_files(labels, images);
     CHECK(mkdir(sub, 0700) == 0, "mkdir %s", sub);
     check_loaders("/dev/null", "a character device", labels, images);
     check_loaders(sub, "a directory", labels, images);
@@ -206,12 +210,9 @@ static void test_csv_logger_refuses(void) {
 
 /* The regular files beside them still load. */
 static void test_regular_files_load(void) {
-    char labels[128], images[128];
+    char labels[IDX_PATH], images[IDX_PATH];
     mpt_dataset *d = NULL;
-    snprintf(labels, sizeof labels, "%s/labels-idx1-ubyte", dir);
-    snprintf(images, sizeof images, "%s/images-idx3-ubyte", dir);
-    write_labels(labels);
-    write_images(images);
+    write_idx_files(labels, images);
     CHECK(mpt_dataset_load_idx(ctx, images, labels, &d) == MPT_OK, "load_idx: %s",
           mpt_context_error(ctx));
     CHECK(d && mpt_dataset_count(d) == 3, "3 samples");

@@ -159,30 +159,23 @@ static void two_branch_ref(const gc_case *c, const double *x, double *const *p, 
     }
 }
 
+static mpt_model *two_branch_model(mpt_context *c, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_node in1, both[2];
+    CHECK(mpt_model_create(c, &(mpt_model_desc){.input_shape = {G0}, .input_rank = 1,
+                                                .policy = policy, .seed = 3},
+                           &m) == MPT_OK,
+          "create: %s", mpt_context_error(c));
+    in1 = mpt_model_add_input(m, &(mpt_input_desc){.shape = {G1}, .rank = 1});
+    both[0] = mpt_dense(m, mpt_model_input(m),
+                        &(mpt_dense_desc){.units = GH, .activation = MPT_ACT_TANH});
+    both[1] = mpt_dense(m, in1, &(mpt_dense_desc){.units = GH, .activation = MPT_ACT_SIGMOID});
+    mpt_dense(m, mpt_concatenate(m, 2, both, NULL), &(mpt_dense_desc){.units = GO});
+    return m;
+}
+
 static void test_two_input_gradients(void) {
-    int k;
-    for (k = 0; k < 3; k++) {
-        mpt_model *m = NULL;
-        mpt_node in1, both[2];
-        char label[96];
-        test__begin();
-        CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {G0}, .input_rank = 1,
-                                                      .policy = policies[k], .seed = 3},
-                               &m) == MPT_OK,
-              "create: %s", mpt_context_error(ctx));
-        in1 = mpt_model_add_input(m, &(mpt_input_desc){.shape = {G1}, .rank = 1});
-        both[0] = mpt_dense(m, mpt_model_input(m),
-                            &(mpt_dense_desc){.units = GH, .activation = MPT_ACT_TANH});
-        both[1] = mpt_dense(m, in1, &(mpt_dense_desc){.units = GH, .activation = MPT_ACT_SIGMOID});
-        mpt_dense(m, mpt_concatenate(m, 2, both, NULL), &(mpt_dense_desc){.units = GO});
-        CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        snprintf(label, sizeof label, "two inputs, %s", mpt_policy_name(policies[k]));
-        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1,
-                                 .ref_forward = two_branch_ref},
-                 label);
-        mpt_model_destroy(m);
-        test__report(label);
-    }
+    gc_check_policies(ctx, two_branch_model, two_branch_ref, "two inputs");
 }
 
 /* ---- the same training on 1 and 2 threads, on 1 and 2 replicas ---------------------- */
@@ -401,26 +394,29 @@ static void add_ids_to_dense(mpt_model *m) {
 }
 
 static void test_bad_models(void) {
-    test_expect_error(quiet, build_with(add_unused_input), MPT_ERR_INVALID_ARGUMENT,
-                      "input 1 ('unused') does not lead to the output", "unused input");
-    test_expect_error(quiet, build_with(add_unused_input0), MPT_ERR_INVALID_ARGUMENT,
-                      "input 0 ('input') does not lead", "unused input 0");
-    test_expect_error(quiet, build_with(add_input_last), MPT_ERR_INVALID_ARGUMENT,
-                      "is input 1", "an input last");
-    test_expect_error(quiet, build_with(add_rank0), MPT_ERR_INVALID_ARGUMENT,
-                      "rank 0 is not in 1..3", "rank 0");
-    test_expect_error(quiet, build_with(add_zero_dim), MPT_ERR_SHAPE,
-                      "InputLayer 'flat' (input 1): shape (2, 0) has a dimension <= 0",
-                      "a dimension 0");
-    test_expect_error(quiet, build_with(add_half_dtype), MPT_ERR_DTYPE, "dtype float16",
-                      "dtype float16");
-    test_expect_error(quiet, build_with(add_null_desc), MPT_ERR_INVALID_ARGUMENT,
-                      "NULL descriptor", "NULL desc");
-    test_expect_error(quiet, build_with(add_too_many), MPT_ERR_INVALID_ARGUMENT,
-                      "MPT_MAX_INPUTS", "too many inputs");
-    test_expect_error(quiet, build_with(add_ids_to_dense), MPT_ERR_DTYPE,
-                      "Dense 'dense' reads the input 'ids', which is int32 token ids",
-                      "ids into a Dense");
+    static const struct {
+        void (*add)(mpt_model *m);
+        mpt_status status;
+        const char *words, *what;
+    } cases[] = {
+        {add_unused_input, MPT_ERR_INVALID_ARGUMENT,
+         "input 1 ('unused') does not lead to the output", "unused input"},
+        {add_unused_input0, MPT_ERR_INVALID_ARGUMENT, "input 0 ('input') does not lead",
+         "unused input 0"},
+        {add_input_last, MPT_ERR_INVALID_ARGUMENT, "is input 1", "an input last"},
+        {add_rank0, MPT_ERR_INVALID_ARGUMENT, "rank 0 is not in 1..3", "rank 0"},
+        {add_zero_dim, MPT_ERR_SHAPE,
+         "InputLayer 'flat' (input 1): shape (2, 0) has a dimension <= 0", "a dimension 0"},
+        {add_half_dtype, MPT_ERR_DTYPE, "dtype float16", "dtype float16"},
+        {add_null_desc, MPT_ERR_INVALID_ARGUMENT, "NULL descriptor", "NULL desc"},
+        {add_too_many, MPT_ERR_INVALID_ARGUMENT, "MPT_MAX_INPUTS", "too many inputs"},
+        {add_ids_to_dense, MPT_ERR_DTYPE,
+         "Dense 'dense' reads the input 'ids', which is int32 token ids", "ids into a Dense"},
+    };
+    size_t k;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        test_expect_error(quiet, build_with(cases[k].add), cases[k].status, cases[k].words,
+                          cases[k].what);
 }
 
 /* fit, evaluate, predict and forward refuse what does not fit the

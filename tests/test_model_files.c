@@ -15,28 +15,25 @@ static void path_in(char *out, size_t size, const char *name) {
     snprintf(out, size, "%s/%s", dir, name);
 }
 
-/* The bytes of a file (malloc'ed, *n its size); NULL if unreadable. */
-static unsigned char *read_all(const char *path, long *n) {
-    FILE *f = fopen(path, "rb");
-    unsigned char *b;
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    *n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    b = (unsigned char *)malloc((size_t)*n + 1);
-    if (fread(b, 1, (size_t)*n, f) != (size_t)*n) *n = -1;
-    if (*n >= 0) b[*n] = 0; /* a text's end, for strstr */
-    fclose(f);
-    return b;
-}
-
 static int same_files(const char *a, const char *b) {
     long na = 0, nb = 0;
-    unsigned char *x = read_all(a, &na), *y = read_all(b, &nb);
+    unsigned char *x = test_read_file(a, &na), *y = test_read_file(b, &nb);
     int same = x && y && na == nb && na > 0 && memcmp(x, y, (size_t)na) == 0;
     free(x);
     free(y);
     return same;
+}
+
+/* m saved to path and loaded back; the loaded model, saved to again,
+   writes the same file. The loaded model, or NULL (the test fails). */
+static mpt_model *saved_and_loaded(mpt_model *m, const char *path, const char *again) {
+    mpt_model *loaded = NULL;
+    CHECK(mpt_model_save(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load(ctx, path, &loaded) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    if (!loaded) return NULL;
+    CHECK(mpt_model_save(loaded, again) == MPT_OK, "save again: %s", mpt_context_error(ctx));
+    CHECK(same_files(path, again), "%s and %s differ", path, again);
+    return loaded;
 }
 
 /* The model's predictions on data (float32, n values). */
@@ -49,6 +46,13 @@ static void predictions(mpt_model *m, const mpt_dataset *data, float *out, int64
     mpt_tensor_free(ctx, &y);
 }
 
+/* The model's output on x as float32: its first n values into out. */
+static void forward_of(mpt_model *m, const mpt_tensor *x, float *out, int64_t n) {
+    mpt_tensor y;
+    CHECK(mpt_model_forward(m, x, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));
+    if (y.data) mpt_convert(ctx, MPT_FLOAT32, out, y.dtype, y.data, n);
+}
+
 /* The model's output on x (n samples of `features`, float32), as float32. */
 static void outputs(mpt_model *m, float *x, int64_t n, int64_t features, float *out) {
     mpt_tensor t, y;
@@ -58,6 +62,16 @@ static void outputs(mpt_model *m, float *x, int64_t n, int64_t features, float *
     mpt_tensor_wrap(ctx, &t, MPT_FLOAT32, 2, shape, x);
     CHECK(mpt_model_forward(m, &t, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));
     if (y.data) mpt_convert(ctx, MPT_FLOAT32, out, y.dtype, y.data, mpt_tensor_count(&y));
+}
+
+/* A loaded model keeps its layers' names and dtypes: layer name_at is
+   named name, layer float32_at computes in float32. */
+static void expect_name_and_float32(const mpt_model *loaded, int name_at, const char *name,
+                                    int float32_at) {
+    CHECK(!strcmp(mpt_model_layer_name(loaded, name_at), name) &&
+              mpt_model_layer_dtype(loaded, float32_at) == MPT_FLOAT32,
+          "names or dtypes changed: %s %s", mpt_model_layer_name(loaded, name_at),
+          mpt_dtype_name(mpt_model_layer_dtype(loaded, float32_at)));
 }
 
 /* ---- a trained residual graph, rebuilt and trained on ------------------------------ */
@@ -233,18 +247,15 @@ static void test_every_layer_round_trip(void) {
     static float x[7 * 128], out_a[7 * 3], out_b[7 * 3];
     char path[600], again[600];
     mpt_model *m = every_layer_model(), *loaded = NULL;
-    mpt_tensor t, y;
+    mpt_tensor t;
     int64_t shape[4] = {7, 8, 8, 2}, i;
     path_in(path, sizeof path, "every.safetensors");
     path_in(again, sizeof again, "every_again.safetensors");
-    CHECK(mpt_model_save(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_load(ctx, path, &loaded) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    loaded = saved_and_loaded(m, path, again);
     if (!loaded) goto done;
-    CHECK(mpt_model_save(loaded, again) == MPT_OK, "save again: %s", mpt_context_error(ctx));
-    CHECK(same_files(path, again), "%s and %s differ", path, again);
     {
         long n = 0;
-        unsigned char *bytes = read_all(path, &n);
+        unsigned char *bytes = test_read_file(path, &n);
         int64_t px[4];
         int at = -1, k;
         long j, named = 0;
@@ -259,15 +270,10 @@ static void test_every_layer_round_trip(void) {
     }
     for (i = 0; i < 7 * 128; i++) x[i] = (float)test_uniform(-1, 1);
     mpt_tensor_wrap(ctx, &t, MPT_FLOAT32, 4, shape, x);
-    CHECK(mpt_model_forward(m, &t, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));
-    mpt_convert(ctx, MPT_FLOAT32, out_a, y.dtype, y.data, 21);
-    CHECK(mpt_model_forward(loaded, &t, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));
-    mpt_convert(ctx, MPT_FLOAT32, out_b, y.dtype, y.data, 21);
+    forward_of(m, &t, out_a, 21);
+    forward_of(loaded, &t, out_b, 21);
     CHECK(memcmp(out_a, out_b, sizeof out_a) == 0, "the loaded model predicts other bits");
-    CHECK(!strcmp(mpt_model_layer_name(loaded, 3), "avg") &&
-              mpt_model_layer_dtype(loaded, 4) == MPT_FLOAT32,
-          "names or dtypes changed: %s %s", mpt_model_layer_name(loaded, 3),
-          mpt_dtype_name(mpt_model_layer_dtype(loaded, 4)));
+    expect_name_and_float32(loaded, 3, "avg", 4);
     {   /* LayerNormalization's descriptor came back field by field */
         const mpt__layer *ln = mpt__find_layer(loaded, "ln");
         const mpt__layer *ln1 = mpt__find_layer(loaded, "layer_normalization");
@@ -297,7 +303,7 @@ static void test_ids_layers_round_trip(void) {
     char path[600], again[600], bad[600];
     mpt_model *m = NULL, *loaded = NULL;
     mpt_node x, two[2];
-    mpt_tensor t, y;
+    mpt_tensor t;
     int64_t shape[2] = {5, 4};
     long n = 0;
     unsigned char *text;
@@ -324,24 +330,16 @@ static void test_ids_layers_round_trip(void) {
     CHECK(mpt_model_build(m, 5) == MPT_OK, "build: %s", mpt_context_error(ctx));
     path_in(path, sizeof path, "ids.safetensors");
     path_in(again, sizeof again, "ids_again.safetensors");
-    CHECK(mpt_model_save(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_load(ctx, path, &loaded) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    loaded = saved_and_loaded(m, path, again);
     if (!loaded) goto done;
-    CHECK(mpt_model_save(loaded, again) == MPT_OK, "save again: %s", mpt_context_error(ctx));
-    CHECK(same_files(path, again), "%s and %s differ", path, again);
     for (i = 0; i < 5 * 4; i++) ids[i] = test_randint(0, 10);
     mpt_tensor_wrap(ctx, &t, MPT_INT32, 2, shape, ids);
-    CHECK(mpt_model_forward(m, &t, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));
-    mpt_convert(ctx, MPT_FLOAT32, out_a, y.dtype, y.data, 15);
-    CHECK(mpt_model_forward(loaded, &t, 0, &y) == MPT_OK, "forward: %s", mpt_context_error(ctx));
-    mpt_convert(ctx, MPT_FLOAT32, out_b, y.dtype, y.data, 15);
+    forward_of(m, &t, out_a, 15);
+    forward_of(loaded, &t, out_b, 15);
     CHECK(memcmp(out_a, out_b, sizeof out_a) == 0, "the loaded model predicts other bits");
-    CHECK(!strcmp(mpt_model_layer_name(loaded, 0), "tokens") &&
-              mpt_model_layer_dtype(loaded, 0) == MPT_FLOAT32,
-          "names or dtypes changed: %s %s", mpt_model_layer_name(loaded, 0),
-          mpt_dtype_name(mpt_model_layer_dtype(loaded, 0)));
+    expect_name_and_float32(loaded, 0, "tokens", 0);
     /* the same file with "input_dtype":"float16" */
-    text = read_all(path, &n);
+    text = test_read_file(path, &n);
     if (text && n > 0) {
         /* the architecture is a string in the header, after the header's
            length (8 bytes, zeros among them), its quotes escaped */

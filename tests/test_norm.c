@@ -40,18 +40,21 @@ static void output_f32(const mpt_tensor *y, float *out) {
    BatchNormalization
    ====================================================================== */
 
-typedef struct bn_ref {
-    int64_t in_count, C; /* one sample's elements; channels (last axis) */
-    int center, scale, training;
+/* What the references of both normalizations read from a gc_case's user:
+   they normalise along the last axis (BatchNormalization's channels,
+   LayerNormalization's features). */
+typedef struct norm_ref {
+    int64_t in_count, axis; /* one sample's elements; the last axis's */
+    int center, scale, training; /* training: BatchNormalization's only */
     double eps;
-} bn_ref;
+} norm_ref;
 
 /* y = gamma·(x − mean)/sqrt(var + eps) + beta per channel, with the batch
    statistics (biased variance) in training, the moving ones otherwise.
    Parameters come in Keras order, gamma and beta only when used. */
 static void bn_forward_ref(const gc_case *c, const double *x, double *const *params, double *y) {
-    const bn_ref *d = (const bn_ref *)c->user;
-    int64_t C = d->C, rows = c->batch * d->in_count / C, r, ch;
+    const norm_ref *d = (const norm_ref *)c->user;
+    int64_t C = d->axis, rows = c->batch * d->in_count / C, r, ch;
     const double *gamma = d->scale ? params[0] : NULL;
     const double *beta = d->center ? params[d->scale] : NULL;
     const double *mm = params[d->scale + d->center], *mv = params[d->scale + d->center + 1];
@@ -72,35 +75,45 @@ static void bn_forward_ref(const gc_case *c, const double *x, double *const *par
     }
 }
 
-/* md for samples of `shape` (every other field zero); the elements of one. */
-static int64_t sample_model_desc(mpt_model_desc *md, int rank, const int64_t *shape) {
-    int64_t count = 1;
+/* Begins the gradient check of one normalization `kind` of dtype on
+   `batch` samples of `shape`: its label's start ("batchnorm B=5 sample
+   (7,) float32 no-center"; label of 160 bytes, the caller adds the rest),
+   d for its reference (along the last axis, training), and the model (its
+   descriptor's other fields zero) the caller adds the layer to. */
+static mpt_model *norm_case(norm_ref *d, char *label, const char *kind, int64_t batch, int rank,
+                            const int64_t *shape, mpt_dtype dtype, int center, int scale,
+                            double eps) {
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    char s[64];
     int i;
-    memset(md, 0, sizeof *md);
-    md->input_rank = rank;
-    memcpy(md->input_shape, shape, sizeof(int64_t) * (size_t)rank);
-    for (i = 0; i < rank; i++) count *= shape[i];
-    return count;
+    test__begin();
+    snprintf(label, 160, "%s B=%lld sample %s %s%s%s", kind, (long long)batch,
+             mpt_shape_format(s, sizeof s, rank, shape), mpt_dtype_name(dtype),
+             center ? "" : " no-center", scale ? "" : " no-scale");
+    memset(&md, 0, sizeof md);
+    md.input_rank = rank;
+    memcpy(md.input_shape, shape, sizeof(int64_t) * (size_t)rank);
+    d->in_count = 1;
+    for (i = 0; i < rank; i++) d->in_count *= shape[i];
+    d->axis = shape[rank - 1];
+    d->center = center;
+    d->scale = scale;
+    d->training = 1;
+    d->eps = eps;
+    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "create");
+    return m;
 }
 
 static void check_bn(int64_t batch, int rank, const int64_t *shape, mpt_dtype dtype, int center,
                      int scale, int training) {
-    mpt_model *m = NULL;
-    mpt_model_desc md;
-    bn_ref d;
-    char label[160], s[64];
-    test__begin();
-    d.in_count = sample_model_desc(&md, rank, shape);
-    d.C = shape[rank - 1];
-    d.center = center;
-    d.scale = scale;
+    norm_ref d;
+    char label[160];
+    mpt_model *m =
+        norm_case(&d, label, "batchnorm", batch, rank, shape, dtype, center, scale, 1e-3f);
     d.training = training;
-    d.eps = 1e-3f;
-    snprintf(label, sizeof label, "batchnorm B=%lld sample %s %s%s%s %s", (long long)batch,
-             mpt_shape_format(s, sizeof s, rank, shape), mpt_dtype_name(dtype),
-             center ? "" : " no-center", scale ? "" : " no-scale",
+    snprintf(label + strlen(label), sizeof label - strlen(label), " %s",
              training ? "training" : "inference");
-    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "create");
     CHECK(mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){
               .dtype = dtype, .no_center = !center, .no_scale = !scale}) == MPT_OK,
           "add: %s", mpt_context_error(ctx));
@@ -266,7 +279,7 @@ static void test_bn_offset_precision(void) {
     float *x = random_floats(N, 999, 1001), y[N];
     double yr[N];
     gc_case c;
-    bn_ref d = {C, C, 1, 1, 1, 1e-3f};
+    norm_ref d = {C, C, 1, 1, 1, 1e-3f};
     double *params[4], ones[C] = {1, 1, 1}, zeros[C] = {0, 0, 0}, e;
     int i;
     params[0] = ones, params[1] = zeros, params[2] = zeros, params[3] = ones;
@@ -786,18 +799,12 @@ static void test_dropout_backward_applies_forward_mask(void) {
    LayerNormalization
    ====================================================================== */
 
-typedef struct ln_ref {
-    int64_t in_count, D; /* one sample's elements; the normalised (last) axis */
-    int center, scale;
-    double eps;
-} ln_ref;
-
 /* y = gamma·(x − mean)/sqrt(var + eps) + beta along each row of D, with
    the row's mean and biased variance. Parameters in Keras order, gamma
    and beta only when used. */
 static void ln_forward_ref(const gc_case *c, const double *x, double *const *params, double *y) {
-    const ln_ref *d = (const ln_ref *)c->user;
-    int64_t D = d->D, rows = c->batch * d->in_count / D, r, j;
+    const norm_ref *d = (const norm_ref *)c->user;
+    int64_t D = d->axis, rows = c->batch * d->in_count / D, r, j;
     const double *gamma = d->scale ? params[0] : NULL;
     const double *beta = d->center ? params[d->scale] : NULL;
     for (r = 0; r < rows; r++) {
@@ -815,20 +822,11 @@ static void ln_forward_ref(const gc_case *c, const double *x, double *const *par
 
 static void check_ln(int64_t batch, int rank, const int64_t *shape, mpt_dtype dtype, int center,
                      int scale, float eps) {
-    mpt_model *m = NULL;
-    mpt_model_desc md;
-    ln_ref d;
-    char label[160], s[64];
-    test__begin();
-    d.in_count = sample_model_desc(&md, rank, shape);
-    d.D = shape[rank - 1];
-    d.center = center;
-    d.scale = scale;
-    d.eps = eps != 0 ? eps : 1e-3f;
-    snprintf(label, sizeof label, "layernorm B=%lld sample %s %s%s%s eps %g", (long long)batch,
-             mpt_shape_format(s, sizeof s, rank, shape), mpt_dtype_name(dtype),
-             center ? "" : " no-center", scale ? "" : " no-scale", (double)d.eps);
-    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "create");
+    norm_ref d;
+    char label[160];
+    mpt_model *m = norm_case(&d, label, "layernorm", batch, rank, shape, dtype, center, scale,
+                             eps != 0 ? eps : 1e-3f);
+    snprintf(label + strlen(label), sizeof label - strlen(label), " eps %g", (double)d.eps);
     CHECK(mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){
               .dtype = dtype, .epsilon = eps, .no_center = !center, .no_scale = !scale}) ==
               MPT_OK,
@@ -877,12 +875,12 @@ static void ln_rows_ref(const double *x, int64_t rows, int64_t D, const double *
 
 /* y = ln(ln(x) + x), one layer called twice (mpt_apply_layer). */
 static void ln_graph_ref(const gc_case *c, const double *x, double *const *params, double *y) {
-    const ln_ref *d = (const ln_ref *)c->user;
+    const norm_ref *d = (const norm_ref *)c->user;
     int64_t n = c->batch * d->in_count, i;
     double *z = (double *)malloc(sizeof(double) * (size_t)n);
-    ln_rows_ref(x, n / d->D, d->D, params[0], params[1], z);
+    ln_rows_ref(x, n / d->axis, d->axis, params[0], params[1], z);
     for (i = 0; i < n; i++) z[i] += x[i];
-    ln_rows_ref(z, n / d->D, d->D, params[0], params[1], y);
+    ln_rows_ref(z, n / d->axis, d->axis, params[0], params[1], y);
     free(z);
 }
 
@@ -895,7 +893,7 @@ static void test_ln_graph_shared(void) {
     for (t = 0; t < 2; t++) {
         mpt_model *m = NULL;
         mpt_node x, two[2], y;
-        ln_ref d = {12, 4, 1, 1, 1e-3f};
+        norm_ref d = {12, 4, 1, 1, 1, 1e-3f};
         char label[96];
         mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {3, 4}, .input_rank = 2,
                                                 .policy = t ? MPT_POLICY_MIXED_FLOAT16
@@ -1030,21 +1028,16 @@ static double max_abs_diff(const float *a, const float *b, int64_t n, int64_t *a
 static void ln_reference_y(const float *x, int64_t rows, int64_t D, uint64_t seed, double *y) {
     double *gamma = (double *)malloc(sizeof(double) * (size_t)D);
     double *beta = (double *)malloc(sizeof(double) * (size_t)D);
-    int64_t r, j;
+    double *xd = (double *)malloc(sizeof(double) * (size_t)(rows * D)); /* x, exactly */
+    int64_t j;
     test_seed(seed);
     for (j = 0; j < D; j++) {
         gamma[j] = (float)test_uniform(0.5, 1.5);
         beta[j] = (float)test_uniform(-0.5, 0.5);
     }
-    for (r = 0; r < rows; r++) {
-        double mean = 0, var = 0;
-        for (j = 0; j < D; j++) mean += x[r * D + j];
-        mean /= (double)D;
-        for (j = 0; j < D; j++) var += (x[r * D + j] - mean) * (x[r * D + j] - mean);
-        var /= (double)D;
-        for (j = 0; j < D; j++)
-            y[r * D + j] = gamma[j] * (x[r * D + j] - mean) / sqrt(var + 1e-3f) + beta[j];
-    }
+    for (j = 0; j < rows * D; j++) xd[j] = x[j];
+    ln_rows_ref(xd, rows, D, gamma, beta, y);
+    free(xd);
     free(gamma);
     free(beta);
 }
@@ -1267,7 +1260,7 @@ static void test_ln_trains_mixed_float16(void) {
    quantization, post-training and aware, refuses the layer by name. */
 static void test_ln_refusals(void) {
     mpt_context *q = quiet_ctx();
-    mpt_model *m = NULL, *qm = NULL;
+    mpt_model *m = NULL;
     int before = count_errors;
     mpt_node x;
     CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &m) ==
@@ -1306,11 +1299,7 @@ static void test_ln_refusals(void) {
     mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){.name = "ln"});
     CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(q));
     mpt_model_refresh_weights(m); /* its weights count as given: quantize takes them */
-    test_expect_error(q, mpt_model_quantize(m, NULL, &qm), MPT_ERR_UNSUPPORTED,
-                      "layer 'ln' (LayerNormalization)", "quantize");
-    CHECK(qm == NULL, "a quantized model was made");
-    test_expect_error(q, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "layer 'ln' (LayerNormalization)", "quantize_aware");
+    test_quantize_refused(q, m, "layer 'ln' (LayerNormalization)");
     mpt_model_destroy(m);
     mpt_context_destroy(q);
 }

@@ -31,25 +31,8 @@ static int same_state(mpt_model *a, mpt_model *b) {
     return a->optimizer_steps == b->optimizer_steps && a->step == b->step;
 }
 
-static int warnings;
-static void counting_logger(void *user, mpt_log_level level, const char *msg) {
-    (void)user;
-    (void)msg;
-    if (level == MPT_LOG_WARNING) warnings++;
-}
-
-static mpt_context *warning_ctx(void) {
-    mpt_context *c = NULL;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = 2;
-    d.logger.fn = counting_logger;
-    mpt_context_create(&d, &c);
-    return c;
-}
-
 static void test_build_halves_to_what_fits(void) {
-    mpt_context *q = warning_ctx();
+    mpt_context *q = warning_ctx(2);
     mpt_dataset *data = blobs_in(q);
     mpt_model *probe = make_model(q, 0, NULL), *ref = make_model(q, 0, NULL), *m = NULL;
     mpt_memory_report mem;
@@ -70,10 +53,10 @@ static void test_build_halves_to_what_fits(void) {
     CHECK(mpt_model_fit(m, data, &f) == MPT_ERR_OUT_OF_MEMORY && !m->built,
           "not below min_batch_size 32: %s", mpt_context_error(q));
     f.min_batch_size = 0;
-    warnings = 0;
+    count_warnings = 0;
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
-    CHECK(warnings == 2 && m->max_batch == 16, "halved twice (%d warnings) to 16 (%lld)",
-          warnings, (long long)m->max_batch);
+    CHECK(count_warnings == 2 && m->max_batch == 16, "halved twice (%d warnings) to 16 (%lld)",
+          count_warnings, (long long)m->max_batch);
     CHECK(m->optimizer_steps == 2 * 13, "2 epochs of 13 steps: %lld",
           (long long)m->optimizer_steps);
     CHECK(history_value(m, "loss", 1) == history_value(ref, "loss", 1) &&
@@ -109,19 +92,13 @@ static void refusing_free(void *user, void *ptr) {
 /* The CPU backend's arenas come from the context's allocator: one that
    refuses the activations of a batch of 32 makes fit halve 64 twice. */
 static void test_allocator_refusing_large_blocks(void) {
-    mpt_context *q = NULL;
-    mpt_context_desc cd;
+    mpt_context *q;
     mpt_dataset *data;
     mpt_model *probe, *ref, *m;
     mpt_memory_report at16, at32;
     mpt_fit_desc f;
-    memset(&cd, 0, sizeof cd);
-    cd.num_threads = 2;
-    cd.logger.fn = counting_logger;
-    cd.allocator.alloc = refusing_alloc;
-    cd.allocator.free = refusing_free;
     refuse_over = 0;
-    mpt_context_create(&cd, &q);
+    q = test_ctx_with(2, warning_logger, (mpt_allocator){refusing_alloc, refusing_free, NULL});
     data = blobs_in(q);
     probe = make_model(q, 0, NULL);
     CHECK(mpt_model_build(probe, 32) == MPT_OK, "build: %s", mpt_context_error(q));
@@ -140,13 +117,13 @@ static void test_allocator_refusing_large_blocks(void) {
     f.on_out_of_memory = MPT_OOM_HALVE_BATCH;
     refuse_over = (size_t)at32.activations - 1; /* more than every other block fit asks for */
     refused = 0;
-    warnings = 0;
+    count_warnings = 0;
     CHECK(at16.activations <= (int64_t)refuse_over, "the plan for 16 (%lld) fits under %zu",
           (long long)at16.activations, refuse_over);
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
     refuse_over = 0;
-    CHECK(refused == 2 && warnings == 2 && m->max_batch == 16,
-          "refused %ld blocks, %d warnings, trained at %lld", refused, warnings,
+    CHECK(refused == 2 && count_warnings == 2 && m->max_batch == 16,
+          "refused %ld blocks, %d warnings, trained at %lld", refused, count_warnings,
           (long long)m->max_batch);
     CHECK(same_state(m, ref) && history_value(m, "loss", 0) == history_value(ref, "loss", 0),
           "weights, slots, counters and loss equal a run at 16");
@@ -181,7 +158,7 @@ static mpt_status record_samples(void *user, mpt_model *m, int epoch, const mpt_
 }
 
 static void test_step_halves_mid_epoch(void) {
-    mpt_context *q = warning_ctx();
+    mpt_context *q = warning_ctx(2);
     mpt_dataset *data = blobs_in(q);
     mpt_model *ref, *m;
     mpt_fit_desc f;
@@ -208,11 +185,11 @@ static void test_step_halves_mid_epoch(void) {
     f.on_out_of_memory = MPT_OOM_HALVE_BATCH;
     f.callbacks = &cb;
     f.n_callbacks = 1;
-    warnings = 0;
+    count_warnings = 0;
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
-    CHECK(upload_calls > 8 && warnings == 1 && m->max_batch == 16 && f.batch_size == 32,
-          "one halving (%d warnings) to 16 (%lld), the caller's descriptor untouched", warnings,
-          (long long)m->max_batch);
+    CHECK(upload_calls > 8 && count_warnings == 1 && m->max_batch == 16 && f.batch_size == 32,
+          "one halving (%d warnings) to 16 (%lld), the caller's descriptor untouched",
+          count_warnings, (long long)m->max_batch);
     CHECK(m->optimizer_steps == 7 + 13, "7 steps at 32, 13 at 16: %lld",
           (long long)m->optimizer_steps);
     CHECK(same_state(m, ref), "weights, optimizer slots and counters equal the two fits'");
@@ -269,7 +246,7 @@ static void accumulate_3(mpt_model *m) {
 }
 
 static void test_halving_keeps_accumulated_sums(void) {
-    mpt_context *q = warning_ctx();
+    mpt_context *q = warning_ctx(2);
     mpt_dataset *data = blobs_in(q);
     mpt_model *ref, *m;
     mpt_fit_desc f;
@@ -293,10 +270,10 @@ static void test_halving_keeps_accumulated_sums(void) {
     fail_at = 8; /* before epoch 2's first step */
     f = fit_for(2, 32);
     f.on_out_of_memory = MPT_OOM_HALVE_BATCH;
-    warnings = 0;
+    count_warnings = 0;
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
-    CHECK(warnings == 1 && m->max_batch == 16, "one halving (%d warnings) to 16 (%lld)",
-          warnings, (long long)m->max_batch);
+    CHECK(count_warnings == 1 && m->max_batch == 16, "one halving (%d warnings) to 16 (%lld)",
+          count_warnings, (long long)m->max_batch);
     for (i = 0; i < m->n_params; i++)
         if (m->params[i].trainable)
             same &= !memcmp(m->params[i].accum, ref->params[i].accum,
@@ -319,7 +296,7 @@ static void capture(void *user, const char *text) {
 }
 
 static void test_peak_in_summary(void) {
-    mpt_context *q = warning_ctx();
+    mpt_context *q = warning_ctx(2);
     mpt_dataset *data = blobs_in(q);
     mpt_model *m = make_model(q, 0, NULL);
     mpt_memory_report peak;

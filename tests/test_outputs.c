@@ -277,14 +277,8 @@ static void test_keras_reference(void) {
     mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.name = "cls", .units = KC,
                                                               .activation = MPT_ACT_SOFTMAX}));
     mpt_model_add_output(m, mpt_dense(m, h, &(mpt_dense_desc){.name = "reg", .units = 1}));
-    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
-                                   .optimizer = {.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f},
-                                   .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                              {.type = MPT_LOSS_MEAN_SQUARED_ERROR}},
-                                   .loss_weights = (const float[]){1.0f, 0.5f},
-                                   .output_metrics = {MPT_METRIC_ACCURACY,
-                                                      MPT_METRIC_MEAN_ABSOLUTE_ERROR}}) == MPT_OK,
-          "compile: %s", mpt_context_error(ctx));
+    test_compile_class_and_number(
+        ctx, m, (mpt_optimizer_desc){.type = MPT_OPTIMIZER_SGD, .learning_rate = 0.1f});
     CHECK(mpt_model_build(m, KN) == MPT_OK, "build: %s", mpt_context_error(ctx));
     keras_weights(m);
     CHECK(mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = KN}, &logs) == MPT_OK,
@@ -333,33 +327,25 @@ static void two_output_ref(const gc_case *c, const double *x, double *const *p, 
     }
 }
 
+static mpt_model *two_output_model(mpt_context *c, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_node both[2], a;
+    CHECK(mpt_model_create(c, &(mpt_model_desc){.input_shape = {G_IN}, .input_rank = 1,
+                                                .policy = policy, .seed = 3},
+                           &m) == MPT_OK,
+          "create: %s", mpt_context_error(c));
+    both[0] = mpt_dense(m, mpt_model_input(m),
+                        &(mpt_dense_desc){.name = "h", .units = G_H, .activation = MPT_ACT_TANH});
+    both[1] = a = mpt_dense(m, both[0], &(mpt_dense_desc){.name = "a", .units = G_A});
+    mpt_model_add_output(m, a);
+    mpt_model_add_output(m, mpt_dense(m, mpt_concatenate(m, 2, both, NULL),
+                                      &(mpt_dense_desc){.name = "b", .units = G_B,
+                                                        .activation = MPT_ACT_SIGMOID}));
+    return m;
+}
+
 static void test_two_output_gradients(void) {
-    int k;
-    for (k = 0; k < 3; k++) {
-        mpt_model *m = NULL;
-        mpt_node both[2], a;
-        char label[96];
-        test__begin();
-        CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {G_IN}, .input_rank = 1,
-                                                      .policy = policies[k], .seed = 3},
-                               &m) == MPT_OK,
-              "create: %s", mpt_context_error(ctx));
-        both[0] = mpt_dense(m, mpt_model_input(m),
-                            &(mpt_dense_desc){.name = "h", .units = G_H,
-                                              .activation = MPT_ACT_TANH});
-        both[1] = a = mpt_dense(m, both[0], &(mpt_dense_desc){.name = "a", .units = G_A});
-        mpt_model_add_output(m, a);
-        mpt_model_add_output(m, mpt_dense(m, mpt_concatenate(m, 2, both, NULL),
-                                          &(mpt_dense_desc){.name = "b", .units = G_B,
-                                                            .activation = MPT_ACT_SIGMOID}));
-        CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        snprintf(label, sizeof label, "two outputs, %s", mpt_policy_name(policies[k]));
-        gc_check(ctx, &(gc_case){.model = m, .batch = 5, .training = 1,
-                                 .ref_forward = two_output_ref},
-                 label);
-        mpt_model_destroy(m);
-        test__report(label);
-    }
+    gc_check_policies(ctx, two_output_model, two_output_ref, "two outputs");
 }
 
 /* ---- the same bits: 1 and 2 threads; one output declared or not -------------- */
@@ -416,15 +402,8 @@ static void test_replicas_match_one(void) {
     reg = mpt_dense(two, h, &(mpt_dense_desc){.name = "reg", .units = 1});
     mpt_model_add_output(two, cls);
     mpt_model_add_output(two, reg);
-    CHECK(mpt_model_compile(two, &(mpt_compile_desc){
-                                     .optimizer = {.type = MPT_OPTIMIZER_ADAM,
-                                                   .learning_rate = 0.01f},
-                                     .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
-                                                {.type = MPT_LOSS_MEAN_SQUARED_ERROR}},
-                                     .loss_weights = (const float[]){1.0f, 0.5f},
-                                     .output_metrics = {MPT_METRIC_ACCURACY,
-                                                        MPT_METRIC_MEAN_ABSOLUTE_ERROR}}) == MPT_OK,
-          "compile: %s", mpt_context_error(ctx));
+    test_compile_class_and_number(
+        ctx, two, (mpt_optimizer_desc){.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f});
     CHECK(mpt_model_fit(one, train, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(two, train, &fit) == MPT_OK, "fit on 2 replicas: %s",
           mpt_context_error(ctx));

@@ -47,21 +47,17 @@ typedef struct svg_read {
     char texts[8192];     /* the <text> contents, joined by '|'          */
 } svg_read;
 
+static void svg_line(void *user, const char *line) {
+    svg_read *r = (svg_read *)user;
+    if (!strncmp(line, "texts\t", 6))
+        snprintf(r->texts, sizeof r->texts, "%s", line + 6);
+    else if (r->n < 64)
+        snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
+}
+
 static void read_svg(const char *path, svg_read *r) {
-    char cmd[1024], line[8192];
-    FILE *p;
     memset(r, 0, sizeof *r);
-    if (!test_python_script(cmd, sizeof cmd, tmpdir, "reader.py", reader_py, path)) return;
-    p = popen(cmd, "r");
-    if (!p) return;
-    while (fgets(line, sizeof line, p)) {
-        line[strcspn(line, "\n")] = 0;
-        if (!strncmp(line, "texts\t", 6))
-            snprintf(r->texts, sizeof r->texts, "%s", line + 6);
-        else if (r->n < 64)
-            snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
-    }
-    r->ok = pclose(p) == 0;
+    r->ok = test_python_lines(tmpdir, "reader.py", reader_py, path, svg_line, r);
 }
 
 /* The line of series `key` ("key\tpolylines\tcounts"), or NULL. */
@@ -317,11 +313,6 @@ static void test_killed_writes_swept(void) {
 static char printed[1 << 15];
 static test_text printed_to = {printed, sizeof printed, 0};
 
-static void capture(void *user, const char *text) { /* fit's printer */
-    (void)user;
-    test_text_append(&printed_to, text);
-}
-
 /* The loss scale seen after every step: its rises and falls. */
 typedef struct scale_watch {
     float last;
@@ -388,7 +379,8 @@ static void test_fit_summary_and_plot(void) {
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 4, .batch_size = 16, .verbose = 1,
                                                   .validation_data = val, .callbacks = &cb,
                                                   .n_callbacks = 1,
-                                                  .printer = {capture, NULL}}) == MPT_OK,
+                                                  .printer = {test_text_append, &printed_to}}) ==
+              MPT_OK,
           "fit: %s", mpt_context_error(ctx));
     mpt_model_history(m, &h);
     fit = strstr(printed, "\nFit: ");
@@ -437,12 +429,14 @@ static void test_fit_summary_and_plot(void) {
     /* verbose 0 prints nothing, the summary included */
     test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 1, .batch_size = 16,
-                                                  .printer = {capture, NULL}}) == MPT_OK,
+                                                  .printer = {test_text_append, &printed_to}}) ==
+              MPT_OK,
           "fit");
     CHECK(printed_to.len == 0, "verbose 0 printed:\n%s", printed);
     /* verbose 2 ends with it too */
     CHECK(mpt_model_fit(m, train, &(mpt_fit_desc){.epochs = 2, .batch_size = 16, .verbose = 2,
-                                                  .printer = {capture, NULL}}) == MPT_OK,
+                                                  .printer = {test_text_append, &printed_to}}) ==
+              MPT_OK,
           "fit");
     CHECK(strstr(printed, "Fit: 2 epochs, 20 steps in ") && strstr(printed, "\nStep: ") &&
               strstr(printed, "\nLoss scale: ") && strstr(printed, " - skipped steps: "),

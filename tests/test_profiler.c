@@ -74,36 +74,14 @@ typedef struct trace_read {
     char lines[32][256];
 } trace_read;
 
-static void read_trace(const char *path, trace_read *r) {
-    char cmd[1024], line[1024];
-    FILE *p;
-    memset(r, 0, sizeof *r);
-    if (!test_python_script(cmd, sizeof cmd, tmpdir, "check.py", check_py, path)) return;
-    p = popen(cmd, "r");
-    if (!p) return;
-    while (fgets(line, sizeof line, p))
-        if (r->n < 32) {
-            line[strcspn(line, "\n")] = 0;
-            snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
-        }
-    r->ok = pclose(p) == 0;
+static void trace_line(void *user, const char *line) {
+    trace_read *r = (trace_read *)user;
+    if (r->n < 32) snprintf(r->lines[r->n++], sizeof r->lines[0], "%.255s", line);
 }
 
-/* The trained weights of a model, as bytes (malloc'd). */
-static float *weights_of(mpt_model *m, int64_t *n) {
-    float *all = NULL;
-    int i;
-    *n = 0;
-    for (i = 0; i < mpt_model_param_count(m); i++) {
-        mpt_param_info info;
-        int64_t c;
-        mpt_model_param(m, i, &info);
-        c = mpt_tensor_count(&info.value);
-        all = (float *)realloc(all, sizeof(float) * (size_t)(*n + c));
-        memcpy(all + *n, info.value.data, sizeof(float) * (size_t)c);
-        *n += c;
-    }
-    return all;
+static void read_trace(const char *path, trace_read *r) {
+    memset(r, 0, sizeof *r);
+    r->ok = test_python_lines(tmpdir, "check.py", check_py, path, trace_line, r);
 }
 
 /* f profiles steps first..last into tmpdir/sub: dir (size bytes), which
@@ -137,8 +115,6 @@ static void test_trace_per_layer(void) {
     char dir[300], prefix[1100], path[1200];
     trace_read r;
     mpt_history h1, h2;
-    float *w1, *w2;
-    int64_t n1, n2;
     int k;
     if (!test_python_imports("json, gzip")) goto done;
     CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
@@ -158,16 +134,11 @@ static void test_trace_per_layer(void) {
     snprintf(path, sizeof path, "%s.layers.txt", prefix);
     CHECK(access(path, R_OK) == 0, "the table %s", path);
     /* training itself is the same, bit for bit */
-    w1 = weights_of(plain, &n1);
-    w2 = weights_of(profiled, &n2);
-    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0,
-          "profiled weights equal the unprofiled run's");
+    CHECK(test_same_weights(plain, profiled), "profiled weights equal the unprofiled run's");
     mpt_model_history(plain, &h1);
     mpt_model_history(profiled, &h2);
     CHECK(h1.epochs == 2 && h2.epochs == 2 && h1.values[0][1] == h2.values[0][1],
           "the same losses (%s: %g vs %g)", h1.keys[0], h1.values[0][1], h2.values[0][1]);
-    free(w1);
-    free(w2);
 done:
     mpt_model_destroy(plain);
     mpt_model_destroy(profiled);
@@ -227,24 +198,17 @@ static void test_accumulation_profiled(void) {
                            .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY}};
     mpt_fit_desc f = fit_desc(1);
     char dir[300];
-    float *w1, *w2;
-    int64_t n1, n2;
     CHECK(mpt_model_compile(plain, &cd) == MPT_OK && mpt_model_compile(profiled, &cd) == MPT_OK,
           "compile: %s", mpt_context_error(ctx));
     CHECK(mpt_model_fit(plain, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     profile_steps(&f, dir, sizeof dir, "accumulating", 2, 6);
     CHECK(mpt_model_fit(profiled, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-    w1 = weights_of(plain, &n1);
-    w2 = weights_of(profiled, &n2);
-    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0,
-          "profiled weights differ from the unprofiled run's");
+    CHECK(test_same_weights(plain, profiled), "profiled weights differ from the unprofiled run's");
     CHECK(plain->optimizer_steps == 2 && profiled->optimizer_steps == 2 &&
               plain->accumulated_steps == 1 && profiled->accumulated_steps == 1,
           "7 batches: %lld/%lld updates, %lld/%lld in the sum", (long long)plain->optimizer_steps,
           (long long)profiled->optimizer_steps, (long long)plain->accumulated_steps,
           (long long)profiled->accumulated_steps);
-    free(w1);
-    free(w2);
     mpt_model_destroy(plain);
     mpt_model_destroy(profiled);
     mpt_dataset_destroy(data);
@@ -332,8 +296,7 @@ static void test_conv_mixed_precision(void) {
     mpt_fit_desc f = fit_desc(2); /* 3 steps an epoch */
     char dir[300], prefix[1100];
     trace_read r;
-    float *w1, *w2;
-    int64_t n1, n2, i;
+    int64_t i;
     int k;
     if (!test_python_imports("json, gzip")) return;
     for (i = 0; i < N * 8 * 8 * 2; i++) x[i] = (float)test_uniform(-1, 1);
@@ -358,14 +321,10 @@ static void test_conv_mixed_precision(void) {
         CHECK(strncmp(r.lines[k], want, strlen(want)) == 0, "got '%s', want '%s...'",
               r.lines[k], want);
     }
-    w1 = weights_of(plain, &n1);
-    w2 = weights_of(profiled, &n2);
-    CHECK(n1 == n2 && n1 > 0 && memcmp(w1, w2, sizeof(float) * (size_t)n1) == 0 &&
-              plain->loss_scale == profiled->loss_scale && plain->step == profiled->step,
+    CHECK(test_same_weights(plain, profiled) && plain->loss_scale == profiled->loss_scale &&
+              plain->step == profiled->step,
           "profiled weights (moving statistics among them), loss scale and steps equal the "
           "unprofiled run's");
-    free(w1);
-    free(w2);
     mpt_model_destroy(plain);
     mpt_model_destroy(profiled);
     mpt_dataset_destroy(data);
@@ -405,27 +364,13 @@ static void test_bad_ranges(void) {
     mpt_context_destroy(q);
 }
 
-static int warnings;
-static void counting_logger(void *user, mpt_log_level level, const char *msg) {
-    (void)user;
-    (void)msg;
-    if (level == MPT_LOG_WARNING) warnings++;
-}
-
 static void test_unwritable_directory(void) {
-    mpt_context *q = NULL;
-    mpt_context_desc cd;
-    mpt_dataset *data;
-    mpt_model *m;
+    mpt_context *q = warning_ctx(1);
+    mpt_dataset *data = blobs_in(q);
+    mpt_model *m = make_model(q);
     mpt_fit_desc f = fit_desc(1);
     char file[300], dir[400];
     FILE *fp;
-    memset(&cd, 0, sizeof cd);
-    cd.num_threads = 1;
-    cd.logger.fn = counting_logger;
-    mpt_context_create(&cd, &q);
-    data = blobs_in(q);
-    m = make_model(q);
     snprintf(file, sizeof file, "%s/a_file", tmpdir);
     fp = fopen(file, "w");
     if (fp) fclose(fp);
@@ -433,10 +378,10 @@ static void test_unwritable_directory(void) {
     f.profile_batch[0] = 2;
     f.profile_batch[1] = 3;
     f.profile_dir = dir;
-    warnings = 0;
+    count_warnings = 0;
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "training goes on: %s", mpt_context_error(q));
-    CHECK(warnings == 1 && m->optimizer_steps == 7, "one warning (%d), 7 steps (%lld)", warnings,
-          (long long)m->optimizer_steps);
+    CHECK(count_warnings == 1 && m->optimizer_steps == 7, "one warning (%d), 7 steps (%lld)",
+          count_warnings, (long long)m->optimizer_steps);
     f.profile_fail_on_error = 1;
     CHECK(mpt_model_fit(m, data, &f) == MPT_ERR_IO && strstr(mpt_context_error(q), dir),
           "asked to: fit stops, naming the directory: %s", mpt_context_error(q));
@@ -546,21 +491,14 @@ static mpt_status stop_at(void *user, mpt_model *m, int64_t batch, const mpt_log
 }
 
 static void test_run_ends_early(void) {
-    mpt_context *q = NULL;
-    mpt_context_desc cd;
-    mpt_dataset *data;
-    mpt_model *m;
+    mpt_context *q = warning_ctx(1);
+    mpt_dataset *data = blobs_in(q);
+    mpt_model *m = make_model(q);
     mpt_fit_desc f = fit_desc(1);
     mpt_callback cb;
     int64_t at = 3;
     char dir[300], prefix[1100];
     trace_read r;
-    memset(&cd, 0, sizeof cd);
-    cd.num_threads = 1;
-    cd.logger.fn = counting_logger;
-    mpt_context_create(&cd, &q);
-    data = blobs_in(q);
-    m = make_model(q);
     if (!test_python_imports("json")) goto done;
     memset(&cb, 0, sizeof cb);
     cb.on_batch_end = stop_at;
@@ -568,9 +506,9 @@ static void test_run_ends_early(void) {
     profile_steps(&f, dir, sizeof dir, "early", 3, 6);
     f.callbacks = &cb;
     f.n_callbacks = 1;
-    warnings = 0;
+    count_warnings = 0;
     CHECK(mpt_model_fit(m, data, &f) == MPT_OK, "fit: %s", mpt_context_error(q));
-    CHECK(warnings == 1, "a warning that the range was cut short (%d)", warnings);
+    CHECK(count_warnings == 1, "a warning that the range was cut short (%d)", count_warnings);
     read_run_trace(dir, prefix, sizeof prefix, &r);
     CHECK(r.ok && r.n >= 2 && !strncmp(r.lines[0], "step 3 ", 7) && !strncmp(r.lines[1], "step 4 ", 7) &&
               strncmp(r.lines[2], "step", 4) != 0,

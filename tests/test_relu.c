@@ -11,23 +11,12 @@
 
 static mpt_context *ctx;
 
-/* The SIMD levels mpt_gemm and the activations dispatch on, forced by
-   disabling the features above each. */
-static const struct {
-    const char *name;
-    int disable, needs;
-} levels[] = {
-    {"scalar", ~0, 0},
-    {"avx2", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16, MPT_CPU_AVX2},
-    {"avx512", MPT_CPU_AVX512_BF16, MPT_CPU_AVX512},
-    {"avx512bf16", 0, MPT_CPU_AVX512_BF16},
-};
-#define LEVELS ((int)(sizeof levels / sizeof levels[0]))
+/* mpt_gemm and the activations dispatch on helpers.h's simd_levels. */
 
 /* A quiet context at that level, or NULL where the CPU lacks it. */
 static mpt_context *level_ctx(int level, int threads) {
-    mpt_context *c = path_ctx(threads, levels[level].disable);
-    if (c && (mpt_context_cpu_features(c) & levels[level].needs) != levels[level].needs) {
+    mpt_context *c = path_ctx(threads, simd_levels[level].disable);
+    if (c && (mpt_context_cpu_features(c) & simd_levels[level].needs) != simd_levels[level].needs) {
         mpt_context_destroy(c);
         return NULL;
     }
@@ -57,7 +46,7 @@ static void test_gemm_relu_epilogue(void) {
     static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
     int level, t, alpha_sign, i, ran = 0;
     test_seed(11);
-    for (level = 0; level < LEVELS; level++) {
+    for (level = 0; level < SIMD_LEVELS; level++) {
         mpt_context *c = level_ctx(level, 2);
         if (!c) continue;
         ran++;
@@ -107,18 +96,19 @@ static void test_gemm_relu_epilogue(void) {
                     nans += isnan(fused[i]) != 0;
                     CHECK(bits(fused[i]) == bits(relu_ref(plain[i])),
                           "%s %s alpha %d: C[%d][%d] = relu(%g) gave %g (0x%08x)",
-                          levels[level].name, mpt_dtype_name(dtypes[t]), alpha_sign, i / N,
+                          simd_levels[level].name, mpt_dtype_name(dtypes[t]), alpha_sign, i / N,
                           i % N, plain[i], fused[i], bits(fused[i]));
                     if (!isnan(plain[i]) && bits(fused[i]) != bits(relu_old(plain[i])))
                         finite_same = 0;
                 }
-                CHECK(nans >= M + N, "%s: only %d NaNs came through", levels[level].name, nans);
+                CHECK(nans >= M + N, "%s: only %d NaNs came through", simd_levels[level].name,
+                      nans);
                 CHECK(finite_same, "%s %s: a non-NaN result differs from x > 0 ? x : 0",
-                      levels[level].name, mpt_dtype_name(dtypes[t]));
+                      simd_levels[level].name, mpt_dtype_name(dtypes[t]));
             }
         mpt_context_destroy(c);
     }
-    if (ran < LEVELS) SKIP("some SIMD levels are not on this CPU (the others passed)");
+    if (ran < SIMD_LEVELS) SKIP("some SIMD levels are not on this CPU (the others passed)");
 }
 
 /* K = 0: C = relu(beta·C) without a product, each special value exactly. */
@@ -162,7 +152,7 @@ static void test_activation_layer(void) {
     float *dy = (float *)malloc(sizeof(float) * MOST * N);
     int level, p, i, threads, ran = 0;
     test_seed(13);
-    for (level = 0; level < LEVELS; level++)
+    for (level = 0; level < SIMD_LEVELS; level++)
         for (threads = 1; threads <= 2; threads++) {
             const int B = threads == 1 ? 3 : MOST;
             mpt_context *c = level_ctx(level, threads);
@@ -197,8 +187,8 @@ static void test_activation_layer(void) {
                     const mpt_dtype dt = out.dtype;
                     const float xr = (float)round_to(dt, x[i]);
                     CHECK(same_value(stored(dt, out.data, i), (float)round_to(dt, relu_ref(xr))),
-                          "%s %s: relu(%g) gave %g", levels[level].name, mpt_dtype_name(dt), x[i],
-                          stored(dt, out.data, i));
+                          "%s %s: relu(%g) gave %g", simd_levels[level].name,
+                          mpt_dtype_name(dt), x[i], stored(dt, out.data, i));
                 }
                 /* dy in the output's dtype, as fit gives it */
                 if (out.dtype != MPT_FLOAT32) {
@@ -212,7 +202,7 @@ static void test_activation_layer(void) {
                     const float d = stored(dout.dtype, dout.data, i);
                     const float want = (float)round_to(dx.dtype, y <= 0 ? 0.0f : d);
                     CHECK(same_value(stored(dx.dtype, dx.data, i), want),
-                          "%s %s: gradient at y = %g, dy = %g gave %g", levels[level].name,
+                          "%s %s: gradient at y = %g, dy = %g gave %g", simd_levels[level].name,
                           mpt_dtype_name(dx.dtype), y, d, stored(dx.dtype, dx.data, i));
                 }
                 mpt_tensor_free(c, &dout);
@@ -222,7 +212,7 @@ static void test_activation_layer(void) {
         }
     free(x);
     free(dy);
-    if (ran < 2 * LEVELS) SKIP("some SIMD levels are not on this CPU (the others passed)");
+    if (ran < 2 * SIMD_LEVELS) SKIP("some SIMD levels are not on this CPU (the others passed)");
 }
 
 /* A NaN weight in a Dense or Conv2D layer with a fused ReLU reaches the
@@ -232,7 +222,7 @@ static void test_layers_propagate_nan_weights(void) {
                                           MPT_POLICY_MIXED_BFLOAT16};
     int level, p, conv, i, ran = 0;
     test_seed(14);
-    for (level = 0; level < LEVELS; level++) {
+    for (level = 0; level < SIMD_LEVELS; level++) {
         mpt_context *c = level_ctx(level, 2);
         if (!c) continue;
         ran++;
@@ -275,14 +265,14 @@ static void test_layers_propagate_nan_weights(void) {
                     else negative += !(v >= 0) || bits(v) == 0x80000000u;
                 }
                 CHECK(nans == n / F, "%s %s %s: %d of %lld outputs of channel 0 are NaN",
-                      levels[level].name, conv ? "Conv2D" : "Dense",
+                      simd_levels[level].name, conv ? "Conv2D" : "Dense",
                       mpt_dtype_name(out.dtype), nans, (long long)(n / F));
                 CHECK(negative == 0, "%d outputs below +0 in the other channels", negative);
                 mpt_model_destroy(m);
             }
         mpt_context_destroy(c);
     }
-    if (ran < LEVELS) SKIP("some SIMD levels are not on this CPU (the others passed)");
+    if (ran < SIMD_LEVELS) SKIP("some SIMD levels are not on this CPU (the others passed)");
 }
 
 int main(void) {

@@ -53,21 +53,6 @@ static mpt_model *blob_model(mpt_policy policy, uint64_t seed) {
     return blob_model_for(policy, seed, 32);
 }
 
-/* Every byte of every parameter and optimizer slot. */
-static int same_state(const mpt_model *a, const mpt_model *b) {
-    int i, s;
-    if (a->n_params != b->n_params) return 0;
-    for (i = 0; i < a->n_params; i++) {
-        const mpt__param *p = &a->params[i], *q = &b->params[i];
-        if (memcmp(p->value, q->value, sizeof(float) * (size_t)p->count)) return 0;
-        for (s = 0; s < a->n_slots; s++)
-            if (p->slot[s] && memcmp(p->slot[s], q->slot[s], sizeof(float) * (size_t)p->count))
-                return 0;
-    }
-    return a->optimizer_steps == b->optimizer_steps && a->loss_scale == b->loss_scale &&
-           a->step == b->step;
-}
-
 /* ---- fit learns; history; evaluate and predict agree -------------------------------- */
 
 static void test_fit_learns_and_reports(void) {
@@ -128,12 +113,9 @@ enum { N_REG = 120, REG_IN = 4, REG_OUT = 2 };
 /* A dataset of float x (n, REG_IN) and float targets (n, REG_OUT). */
 static mpt_dataset *regression_dataset(float *x, float *y, int64_t n) {
     mpt_tensor tx, ty;
-    mpt_dataset *d = NULL;
     mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){n, REG_IN}, x);
     mpt_tensor_wrap(ctx, &ty, MPT_FLOAT32, 2, (int64_t[]){n, REG_OUT}, y);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
-    return d;
+    return test_dataset_of(ctx, &tx, &ty);
 }
 
 /* mean_absolute_error, mean_squared_error, root_mean_squared_error and
@@ -367,8 +349,8 @@ static void test_class_weight(void) {
         CHECK(mpt_model_fit(b, data[0], &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
         fit.class_weight = twos;
         CHECK(mpt_model_fit(c, data[0], &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-        CHECK(same_state(a, b), "class weights of 1 changed the training");
-        CHECK(same_state(a, c), "class weights of 2 differ from twice the learning rate");
+        CHECK(test_same_state(a, b), "class weights of 1 changed the training");
+        CHECK(test_same_state(a, c), "class weights of 2 differ from twice the learning rate");
         CHECK(history_value(c, "loss", 1) == 2 * history_value(a, "loss", 1),
               "loss %.17g, not twice %.17g", history_value(c, "loss", 1), history_value(a, "loss", 1));
         /* refusals */
@@ -508,8 +490,8 @@ static void test_sample_weight(void) {
         CHECK(mpt_model_fit(a, plain, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
         CHECK(mpt_model_fit(b, d1, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
         CHECK(mpt_model_fit(c, d2, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-        CHECK(same_state(a, b), "sample weights of 1 changed the training");
-        CHECK(same_state(a, c), "sample weights of 2 differ from twice the learning rate");
+        CHECK(test_same_state(a, b), "sample weights of 1 changed the training");
+        CHECK(test_same_state(a, c), "sample weights of 2 differ from twice the learning rate");
         CHECK(history_value(c, "loss", 1) == 2 * history_value(a, "loss", 1),
               "loss %.17g, not twice %.17g", history_value(c, "loss", 1),
               history_value(a, "loss", 1));
@@ -532,7 +514,7 @@ static void test_sample_weight(void) {
             mpt_dataset_destroy(dt);
         }
         ctx = saved;
-        CHECK(same_state(m[0], m[1]), "1 and 2 threads trained differently with sample weights");
+        CHECK(test_same_state(m[0], m[1]), "1 and 2 threads trained differently with sample weights");
         CHECK(history_value(m[0], "loss", 1) == history_value(m[1], "loss", 1),
               "losses %.17g and %.17g", history_value(m[0], "loss", 1),
               history_value(m[1], "loss", 1));
@@ -1379,13 +1361,13 @@ static void test_reproducible_and_resumable(void) {
     CHECK(mpt_model_epoch(c) == 2, "restored epoch %d", mpt_model_epoch(c));
     CHECK(mpt_model_fit(c, d, &(mpt_fit_desc){.epochs = 3, .initial_epoch = 2,
                                               .batch_size = 32}) == MPT_OK, "fit c");
-    CHECK(same_state(a, c), "resumed training differs from the straight run");
-    CHECK(!same_state(a, b), "two epochs equal three");
+    CHECK(test_same_state(a, c), "resumed training differs from the straight run");
+    CHECK(!test_same_state(a, b), "two epochs equal three");
     /* the same seed again from scratch: the same run */
     mpt_model_destroy(b);
     b = blob_model(MPT_POLICY_MIXED_FLOAT16, 5);
     CHECK(mpt_model_fit(b, d, &(mpt_fit_desc){.epochs = 3, .batch_size = 32}) == MPT_OK, "fit");
-    CHECK(same_state(a, b), "the same seed gave another run");
+    CHECK(test_same_state(a, b), "the same seed gave another run");
     remove(path);
     mpt_model_destroy(a);
     mpt_model_destroy(b);
@@ -1499,11 +1481,6 @@ static void test_default_loss_scale(void) {
 static char printed[1 << 16];
 static test_text printed_to = {printed, sizeof printed, 0};
 
-static void capture(void *user, const char *text) { /* fit's printer */
-    (void)user;
-    test_text_append(&printed_to, text);
-}
-
 static void test_summary_and_progress(void) {
     static float x[N_SYN * FEATURES];
     static int32_t y[N_SYN];
@@ -1525,14 +1502,18 @@ static void test_summary_and_progress(void) {
     d = blob_dataset(x, y, N_SYN);
     test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32, .verbose = 1,
-                                              .printer = {capture, NULL}}) == MPT_OK, "fit");
+                                              .printer = {test_text_append, &printed_to}}) ==
+              MPT_OK,
+          "fit");
     CHECK(strstr(printed, "Epoch 1/2\n") && strstr(printed, "Epoch 2/2\n"), "epochs:\n%s", printed);
     CHECK(strstr(printed, "7/7 [==============================] - ") &&
               strstr(printed, "/step - loss: ") && strstr(printed, " - accuracy: "),
           "progress:\n%s", printed);
     test_text_clear(&printed_to);
     CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = 32, .verbose = 2,
-                                              .printer = {capture, NULL}}) == MPT_OK, "fit");
+                                              .printer = {test_text_append, &printed_to}}) ==
+              MPT_OK,
+          "fit");
     CHECK(strstr(printed, "7/7 - ") && !strchr(printed, '['), "verbose 2:\n%s", printed);
     mpt_model_destroy(m);
     mpt_dataset_destroy(d);
@@ -1793,7 +1774,7 @@ static void test_steps_per_epoch(void) {
     CHECK(mpt_model_fit(a, d, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
     f.steps_per_epoch = N_SYN / 20;
     CHECK(mpt_model_fit(b, d, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-    CHECK(same_state(a, b), "every batch by steps_per_epoch trains otherwise than by default");
+    CHECK(test_same_state(a, b), "every batch by steps_per_epoch trains otherwise than by default");
     mpt_model_destroy(a);
     mpt_model_destroy(b);
     a = blob_model(MPT_POLICY_FLOAT32, 5);
@@ -2058,7 +2039,7 @@ static void test_targets_of_shape_n(void) {
         one_unit_case(k, &loss, &act, &policy);
         mpt_model *a = fit_one_unit(x, MPT_FLOAT32, y, 2, loss, act, policy);
         mpt_model *b = fit_one_unit(x, MPT_FLOAT32, y, 1, loss, act, policy);
-        CHECK(same_state(a, b), "%s: (n,) targets train otherwise than (n, 1)",
+        CHECK(test_same_state(a, b), "%s: (n,) targets train otherwise than (n, 1)",
               mpt__loss_name(loss));
         CHECK(history_value(a, "val_loss", 1) == history_value(b, "val_loss", 1) &&
                   history_value(a, "accuracy", 1) == history_value(b, "accuracy", 1),
@@ -2111,7 +2092,7 @@ static void test_int32_targets_of_one_unit(void) {
         one_unit_case(k, &loss, &act, &policy);
         mpt_model *a = fit_one_unit(x, MPT_FLOAT32, yf, 1, loss, act, policy);
         mpt_model *b = fit_one_unit(x, MPT_INT32, yi, 1, loss, act, policy);
-        CHECK(same_state(a, b), "%s: int32 0/1 labels train otherwise than float32 ones",
+        CHECK(test_same_state(a, b), "%s: int32 0/1 labels train otherwise than float32 ones",
               mpt__loss_name(loss));
         CHECK(history_value(a, "loss", 1) == history_value(b, "loss", 1) &&
                   history_value(a, "val_loss", 1) == history_value(b, "val_loss", 1) &&
@@ -2226,7 +2207,7 @@ static void test_batch_size_past_the_data(void) {
               "fit with batch_size %lld: %s", (long long)batch, mpt_context_error(ctx));
         CHECK(m->built && m->max_batch == 16, "batch_size %lld for 16 samples: built for %lld",
               (long long)batch, (long long)m->max_batch);
-        CHECK(m->built && same_state(m, want), "batch_size %lld trains otherwise than 16",
+        CHECK(m->built && test_same_state(m, want), "batch_size %lld trains otherwise than 16",
               (long long)batch);
         mpt_model_destroy(m);
     }
@@ -2259,9 +2240,9 @@ static void test_batch_size_past_the_data(void) {
               mpt_context_error(ctx));
         CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 16}) == MPT_OK,
               "fit after evaluate: %s", mpt_context_error(ctx));
-        CHECK(m->max_batch == 16 && same_state(m, want),
+        CHECK(m->max_batch == 16 && test_same_state(m, want),
               "fit after evaluate: built for %lld, %s", (long long)m->max_batch,
-              same_state(m, want) ? "the same state" : "another state");
+              test_same_state(m, want) ? "the same state" : "another state");
         mpt_model_destroy(m);
         mpt_dataset_destroy(few);
     }
@@ -2713,7 +2694,7 @@ static void test_accumulation_resume_mid_cycle(void) {
     CHECK(same_sums(b, c), "the sums did not come back from the file");
     CHECK(mpt_model_fit(c, d, &(mpt_fit_desc){.epochs = 3, .initial_epoch = 2,
                                               .batch_size = 32}) == MPT_OK, "fit c");
-    CHECK(same_state(a, c) && same_sums(a, c),
+    CHECK(test_same_state(a, c) && same_sums(a, c),
           "resumed in mid-cycle differs from the straight run");
     /* a file without the sums: an empty sum, count 0 */
     old = blob_model(MPT_POLICY_MIXED_FLOAT16, 5); /* Adam, N = 1 */
@@ -2728,7 +2709,7 @@ static void test_accumulation_resume_mid_cycle(void) {
     }
     CHECK(empty && c->accumulated_steps == 0, "a file without sums left %lld in them",
           (long long)c->accumulated_steps);
-    CHECK(same_state(old, c), "the older file's state did not load");
+    CHECK(test_same_state(old, c), "the older file's state did not load");
     /* N = 1 refuses the sums */
     mpt_model_destroy(old);
     {

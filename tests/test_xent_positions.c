@@ -296,6 +296,28 @@ static void test_evaluate_per_position(void) {
 
 /* ---- mirrored replicas: each its share of the batch's samples ---------------------- */
 
+/* one (a replica) and two (on a strategy of 2) fit alike on data, in
+   order (f unshuffled): the same loss, and with same_accuracy the same
+   accuracy, and the same weights up to the order of the sums (1e-5). The
+   dataset and both models are destroyed. */
+static void fit_one_and_two(mpt_model *one, mpt_model *two, mpt_dataset *data, mpt_fit_desc f,
+                            int same_accuracy) {
+    f.no_shuffle = 1;
+    if (one && two && data) {
+        CHECK(mpt_model_fit(one, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        CHECK(mpt_model_fit(two, data, &f) == MPT_OK, "fit mirrored: %s", mpt_context_error(ctx));
+        if (same_accuracy)
+            CHECK(fabs(history_value(two, "accuracy", -1) - history_value(one, "accuracy", -1)) <=
+                      1e-9,
+                  "accuracy: 2 replicas %.9g, 1 replica %.9g", history_value(two, "accuracy", -1),
+                  history_value(one, "accuracy", -1));
+        test_replicas_match(one, two, (const char *const[]){"loss", NULL}, 1e-5);
+    }
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(one);
+    mpt_model_destroy(two);
+}
+
 /* Two replicas split each batch of 6 samples (72 positions) 3 and 3 and
    weight their gradients by their share of the samples: the same
    training as one replica, the same loss and accuracy in the history. */
@@ -304,35 +326,18 @@ static void test_mirrored_per_position(void) {
     static float x[n * H * W * CIN];
     static int32_t labels[n * POS];
     static double target[n * POS * C];
-    mpt_strategy *st = NULL;
+    mpt_strategy *st;
     mpt_model *one, *two;
     mpt_tensor xt, yt;
-    mpt_dataset *data = NULL;
-    mpt_fit_desc f = fit_for(3, 2 * N);
     test_seed(2404);
     random_input(x, n);
     random_targets(labels, target, n * POS, 0);
-    CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
-                                                        .num_replicas = 2}, &st) == MPT_OK,
-          "strategy: %s", mpt_context_error(ctx));
+    st = test_mirrored_strategy(ctx, 2);
     one = head_model(ctx, 1, MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0);
     two = head_model_on(ctx, 1, MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, 0, st);
     mpt_tensor_wrap(ctx, &xt, MPT_FLOAT32, 4, (int64_t[]){n, H, W, CIN}, x);
     mpt_tensor_wrap(ctx, &yt, MPT_INT32, 3, (int64_t[]){n, H, W}, labels);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &xt, .y = &yt}, &data) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
-    f.no_shuffle = 1;
-    if (one && two && data) {
-        CHECK(mpt_model_fit(one, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-        CHECK(mpt_model_fit(two, data, &f) == MPT_OK, "fit mirrored: %s", mpt_context_error(ctx));
-        CHECK(fabs(history_value(two, "accuracy", -1) - history_value(one, "accuracy", -1)) <= 1e-9,
-              "accuracy: 2 replicas %.9g, 1 replica %.9g", history_value(two, "accuracy", -1),
-              history_value(one, "accuracy", -1));
-        test_replicas_match(one, two, (const char *const[]){"loss", NULL}, 1e-5);
-    }
-    mpt_dataset_destroy(data);
-    mpt_model_destroy(one);
-    mpt_model_destroy(two);
+    fit_one_and_two(one, two, test_dataset_of(ctx, &xt, &yt), fit_for(3, 2 * N), 1);
     mpt_strategy_destroy(st);
 }
 
@@ -422,31 +427,17 @@ static void test_dense_head_mirrored(void) {
     static float x[n * T * D];
     static int32_t labels[n * T];
     static double target[n * T * C];
-    mpt_strategy *st = NULL;
+    mpt_strategy *st;
     mpt_model *one, *two;
     mpt_tensor xt, yt;
-    mpt_dataset *data = NULL;
-    mpt_fit_desc f = fit_for(3, 6);
     test_seed(2406);
     seq_data(x, labels, target, n);
-    CHECK(mpt_strategy_create(ctx, &(mpt_strategy_desc){.type = MPT_STRATEGY_MIRRORED,
-                                                        .num_replicas = 2}, &st) == MPT_OK,
-          "strategy: %s", mpt_context_error(ctx));
+    st = test_mirrored_strategy(ctx, 2);
     one = seq_model(ctx, NULL);
     two = seq_model(ctx, st);
     mpt_tensor_wrap(ctx, &xt, MPT_FLOAT32, 3, (int64_t[]){n, T, D}, x);
     mpt_tensor_wrap(ctx, &yt, MPT_INT32, 2, (int64_t[]){n, T}, labels);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &xt, .y = &yt}, &data) == MPT_OK,
-          "dataset: %s", mpt_context_error(ctx));
-    f.no_shuffle = 1;
-    if (one && two && data) {
-        CHECK(mpt_model_fit(one, data, &f) == MPT_OK, "fit: %s", mpt_context_error(ctx));
-        CHECK(mpt_model_fit(two, data, &f) == MPT_OK, "fit mirrored: %s", mpt_context_error(ctx));
-        test_replicas_match(one, two, (const char *const[]){"loss", NULL}, 1e-5);
-    }
-    mpt_dataset_destroy(data);
-    mpt_model_destroy(one);
-    mpt_model_destroy(two);
+    fit_one_and_two(one, two, test_dataset_of(ctx, &xt, &yt), fit_for(3, 6), 0);
     mpt_strategy_destroy(st);
 }
 
@@ -458,7 +449,7 @@ static void test_dense_head_not_quantized(void) {
     static int32_t labels[n * T];
     static double target[n * T * C];
     mpt_context *q = quiet_ctx();
-    mpt_model *m = seq_model(q, NULL), *qm = NULL;
+    mpt_model *m = seq_model(q, NULL);
     mpt_tensor xt, yt;
     mpt_dataset *data = NULL;
     mpt_fit_desc f = fit_for(1, n);
@@ -470,13 +461,8 @@ static void test_dense_head_not_quantized(void) {
               mpt_model_fit(m, data, &f) == MPT_OK,
           "fit: %s", mpt_context_error(q));
     mpt_dataset_destroy(data);
-    test_expect_error(q, mpt_model_quantize(m, NULL, &qm), MPT_ERR_UNSUPPORTED,
-                      "Dense 'dense' applies to the last axis of samples of shape (6, 8)",
-                      "quantize");
-    CHECK(qm == NULL, "a quantized model came back");
-    test_expect_error(q, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "Dense 'dense' applies to the last axis of samples of shape (6, 8)",
-                      "quantize_aware");
+    test_quantize_refused(q, m,
+                          "Dense 'dense' applies to the last axis of samples of shape (6, 8)");
     mpt_model_destroy(m);
     mpt_context_destroy(q);
 }

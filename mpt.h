@@ -2357,9 +2357,11 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
                     ends) or, with io_dtype, int8 or uint8
                     (mpt_model_quantized_invoke).
      float16        weights stored as float16, computed in float32.
-   Every layer with weights (Dense, Conv2D) is quantized (Dense on vectors
-   only: one over the last axis of a sequence or an image is refused with
-   MPT_ERR_UNSUPPORTED naming it and its input's shape), with a
+   Every layer with weights (Dense, Conv2D) is quantized (a Dense over the
+   last axis of a sequence or an image as TFLite's FULLY_CONNECTED with
+   keep_num_dims: each position a row of the product, in dynamic range
+   quantized as a row of its own; the files take Dense on vectors only,
+   refusing one over a sequence with MPT_ERR_UNSUPPORTED), with a
    BatchNormalization right after it (a Dropout between is fine) folded
    into its kernel and bias first: w'[c] = w[c]·s[c], b'[c] = (b[c] −
    mean[c])·s[c] + beta[c], s = gamma / sqrt(moving_variance + epsilon).
@@ -31901,16 +31903,10 @@ static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const 
         op->info.strides[1] = op->g.sw;
         op->info.padding = d->padding;
     } else {
+        /* over the last axis: each position of a sequence (or pixel of an
+           image) is a row of the product, as in the float model */
         N = L->desc.dense.units;
-        K = L->in_count;
-        if (L->in_rank != 1) { /* the quantized passes take one vector a sample */
-            char sh[96];
-            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                             "quantize: Dense '%s' applies to the last axis of samples of shape "
-                             "%s; the quantized model takes Dense on vectors only (add a "
-                             "Flatten layer before it)",
-                             L->name, mpt_shape_format(sh, sizeof sh, L->in_rank, L->in_shape));
-        }
+        K = L->in_shape[L->in_rank - 1];
     }
     op->info.out_channels = N;
     op->info.depth = K;
@@ -32669,9 +32665,11 @@ static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized 
                                          mpt__qexec ex, const void *x, void *y, int64_t n,
                                          mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
-    if (ex != MPT__QX_DYNAMIC) return mpt__q_product(ctx, Q, i, ex, x, n, NULL, y, w);
-    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq, w->row_scale);
-    return mpt__q_product(ctx, Q, i, ex, w->xq, n, w->row_scale, y, w);
+    const int64_t rows = n * (op->in_count / op->info.depth); /* a row per position */
+    if (ex != MPT__QX_DYNAMIC) return mpt__q_product(ctx, Q, i, ex, x, rows, NULL, y, w);
+    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, rows, op->info.depth, w->xq,
+                                   w->row_scale);
+    return mpt__q_product(ctx, Q, i, ex, w->xq, rows, w->row_scale, y, w);
 }
 
 /* A float16 model's Conv2D as the float32 model's runs it, by the CPU's
@@ -34682,6 +34680,13 @@ static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
         const mpt__layer *L = mpt__find_layer(m, op->name);
         mpt_activation own = mpt__layer_activation(L);
         int k = (int)(L - m->layers);
+        if (L->ops->kind == MPT__LAYER_DENSE && L->in_rank != 1) {
+            char sh[96]; /* the quantized model takes it (a row a position); training not yet */
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                             "quantize_aware: Dense '%s' applies to the last axis of samples of "
+                             "shape %s; quantization-aware training takes Dense on vectors only",
+                             L->name, mpt_shape_format(sh, sizeof sh, L->in_rank, L->in_shape));
+        }
         if (own != MPT_ACT_NONE && own != MPT_ACT_RELU && !(last && own == MPT_ACT_SOFTMAX))
             return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: %s '%s' ends in %s, "
                              "whose input the integer model quantizes but training cannot see: "
@@ -35255,6 +35260,25 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
+/* The operations the quantized writers have a form for: a Dense over
+   vectors only (the int8 FULLY_CONNECTED over every position of a
+   sequence is predict's, not yet a file's). */
+static mpt_status mpt__export_quantized_check(mpt_model *m, const char *format,
+                                              const char *path) {
+    const mpt__quantized *Q = m->quantized;
+    int i;
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt_quantized_layer *L = &Q->ops[i].info;
+        char sh[96];
+        if (L->op == MPT_QOP_FULLY_CONNECTED && L->in_rank != 1)
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the quantized "
+                             "Dense '%s' applies to samples of shape %s; the quantized %s "
+                             "writer takes Dense on vectors only", format, path, L->name,
+                             mpt_shape_format(sh, sizeof sh, L->in_rank, L->in_shape), format);
+    }
+    return MPT_OK;
+}
+
 /* Checks the call and walks the layers into steps. */
 static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
                                         const char *path, const mpt_export_desc *desc) {
@@ -35281,7 +35305,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
                              "weights are stored: leave it at its default%s", format, path,
                              mpt_dtype_name(d.weight_dtype), (int)d.weight_dtype,
                              pl->weight_dtype == MPT_FLOAT16 ? " (or float16)" : "");
-        return MPT_OK;
+        return mpt__export_quantized_check(m, format, path);
     }
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "

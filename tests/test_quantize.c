@@ -783,6 +783,91 @@ static void test_graph_predict_modes(void) {
     }
 }
 
+/* ---- Dense over the last axis of a sequence ------------------------------------------------- */
+
+enum { SEQ_T = 6, SEQ_D = 8, SEQ_N = 40 };
+
+/* (shape) -> Dense(16, relu) -> Dense(12, gelu) -> Dense(CLASSES, softmax),
+   shape (SEQ_T, SEQ_D) or one position's (SEQ_D). */
+static mpt_model *dense_stack(mpt_context *ctx, int sequence) {
+    mpt_model *m = NULL;
+    mpt_model_desc md = {.input_shape = {sequence ? SEQ_T : SEQ_D, SEQ_D},
+                         .input_rank = sequence ? 2 : 1, .seed = 3};
+    if (!sequence) md.input_shape[1] = 0;
+    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "create");
+    if (!m) return NULL;
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 12, .activation = MPT_ACT_GELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* A Dense over a sequence quantizes in every mode, each position a row of
+   the product: its predictions are, bit for bit, those of the same
+   weights applied to the positions as samples of their own (the dynamic
+   mode's scale per row is per position; full integer calibrates the same
+   values), and within the modes' bounds of the float model's. */
+static void test_dense_over_sequence(void) {
+    static const double bound[3] = {0.05, 0.1, 1e-4}; /* dynamic, full integer, float16 */
+    static float x[SEQ_N * SEQ_T * SEQ_D];
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *seq = dense_stack(ctx, 1), *rows = dense_stack(ctx, 0);
+    mpt_dataset *dseq = NULL, *drows = NULL;
+    mpt_tensor tx, a;
+    int i, n = seq ? mpt_model_param_count(seq) : 0, mode;
+    int64_t k;
+    if (!seq || !rows) return;
+    test_seed(61);
+    for (k = 0; k < SEQ_N * SEQ_T * SEQ_D; k++) x[k] = (float)test_uniform(-1.0, 1.0);
+    randomize(seq, 610);
+    round_weights_to_half(ctx, seq);
+    for (i = 0; i < n; i++) {
+        mpt_param_info p, r;
+        mpt_model_param(seq, i, &p);
+        mpt_model_param(rows, i, &r);
+        memcpy(r.value.data, p.value.data, sizeof(float) * (size_t)mpt_tensor_count(&p.value));
+    }
+    mpt_model_refresh_weights(rows);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 3, (int64_t[]){SEQ_N, SEQ_T, SEQ_D}, x);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx}, &dseq) == MPT_OK, "dataset");
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){SEQ_N * SEQ_T, SEQ_D}, x);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx}, &drows) == MPT_OK, "dataset");
+    CHECK(mpt_model_predict(seq, dseq, 16, &a) == MPT_OK, "predict float");
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *qs = quantize(seq, (mpt_quantize_mode)mode, dseq, MPT_DTYPE_DEFAULT);
+        mpt_model *qr = quantize(rows, (mpt_quantize_mode)mode, drows, MPT_DTYPE_DEFAULT);
+        mpt_tensor bs, br;
+        double worst = 0;
+        memset(&bs, 0, sizeof bs);
+        memset(&br, 0, sizeof br);
+        CHECK(qs && mpt_model_predict(qs, dseq, 16, &bs) == MPT_OK, "mode %d: predict: %s", mode,
+              mpt_context_error(ctx));
+        CHECK(qr && mpt_model_predict(qr, drows, 16 * SEQ_T, &br) == MPT_OK, "mode %d: rows",
+              mode);
+        CHECK(bs.data && bs.rank == 3 && bs.shape[1] == SEQ_T && bs.shape[2] == CLASSES,
+              "mode %d: output shape", mode);
+        for (k = 0; bs.data && k < SEQ_N * SEQ_T * CLASSES; k++)
+            worst = fmax(worst, fabs(((float *)a.data)[k] - ((float *)bs.data)[k]));
+        CHECK(bs.data && br.data &&
+                  !memcmp(bs.data, br.data, sizeof(float) * SEQ_N * SEQ_T * CLASSES),
+              "mode %d: the sequence's positions differ from the same rows as samples", mode);
+        CHECK(bs.data && worst > 0 && worst <= bound[mode], "mode %d: outputs differ by %g "
+              "(bound %g)", mode, worst, bound[mode]);
+        if (getenv("MPT_TEST_VERBOSE")) printf("  mode %d: worst %g\n", mode, worst);
+        mpt_tensor_free(ctx, &bs);
+        mpt_tensor_free(ctx, &br);
+        mpt_model_destroy(qs);
+        mpt_model_destroy(qr);
+    }
+    mpt_tensor_free(ctx, &a);
+    mpt_dataset_destroy(dseq);
+    mpt_dataset_destroy(drows);
+    mpt_model_destroy(seq);
+    mpt_model_destroy(rows);
+    mpt_context_destroy(ctx);
+}
+
 /* A model whose output is its input (a Dropout alone: nothing runs at
    inference) has no operation to quantize or to write: refused, saying
    so, with no model made. */
@@ -2460,5 +2545,6 @@ int main(void) {
     TEST_RUN(test_graph_merge_scalar_reference);
     TEST_RUN(test_graph_predict_modes);
     TEST_RUN(test_nothing_to_quantize);
+    TEST_RUN(test_dense_over_sequence);
     return test_summary("test_quantize");
 }

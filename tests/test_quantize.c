@@ -868,6 +868,171 @@ static void test_dense_over_sequence(void) {
     mpt_context_destroy(ctx);
 }
 
+/* ---- a small GPT: Embedding, PositionEmbedding, LayerNormalization, attention -------------- */
+
+enum { GPT_T = 8, GPT_V = 16, GPT_D = 16, GPT_N = 24 };
+
+static mpt_node gpt_residual(mpt_model *m, mpt_node x, mpt_node branch) {
+    mpt_node both[2] = {x, branch};
+    return mpt_add(m, 2, both, NULL);
+}
+
+/* ids (GPT_T) -> Embedding + PositionEmbedding -> one pre-LayerNormalization
+   block (causal attention of 2 heads, a GELU MLP) -> LayerNormalization ->
+   Dense(GPT_V, softmax), examples/gpt.c's shape; blocks 0: the
+   embeddings and a LayerNormalization alone (no product). */
+static mpt_model *small_gpt(mpt_context *ctx, int blocks, unsigned long long seed) {
+    mpt_model *m = NULL;
+    mpt_node tok, x, h;
+    int b;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {GPT_T}, .input_rank = 1,
+                                                  .input_dtype = MPT_INT32, .seed = 5},
+                           &m) == MPT_OK, "create");
+    if (!m) return NULL;
+    tok = mpt_embedding(m, mpt_model_input(m), &(mpt_embedding_desc){
+        .input_dim = GPT_V, .output_dim = GPT_D, .name = "tokens"});
+    x = gpt_residual(m, tok, mpt_position_embedding(m, tok, &(mpt_position_embedding_desc){
+        .sequence_length = GPT_T}));
+    for (b = 0; b < blocks; b++) {
+        h = mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){.epsilon = 1e-5f});
+        h = mpt_multi_head_attention(m, h, h, &(mpt_multi_head_attention_desc){
+            .num_heads = 2, .key_dim = GPT_D / 2, .use_causal_mask = 1, .name = "attention"});
+        x = gpt_residual(m, x, h);
+        h = mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){.epsilon = 1e-5f});
+        h = mpt_dense(m, h, &(mpt_dense_desc){.units = 2 * GPT_D, .activation = MPT_ACT_GELU});
+        x = gpt_residual(m, x, mpt_dense(m, h, &(mpt_dense_desc){.units = GPT_D}));
+    }
+    x = mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){.epsilon = 1e-5f});
+    if (blocks) mpt_dense(m, x, &(mpt_dense_desc){.units = GPT_V, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    randomize(m, seed);
+    return m;
+}
+
+static mpt_dataset *ids_dataset(mpt_context *ctx, int32_t *ids, int64_t n) {
+    mpt_tensor t;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(ctx, &t, MPT_INT32, 2, (int64_t[]){n, GPT_T}, ids);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &t}, &d) == MPT_OK, "dataset: %s",
+          mpt_context_error(ctx));
+    return d;
+}
+
+/* The largest difference between the float model's predictions and q's. */
+static double predict_difference(mpt_context *ctx, mpt_model *m, mpt_model *q,
+                                 const mpt_dataset *d, int *same_bits) {
+    mpt_tensor a, b;
+    double worst = 0;
+    int64_t k, count;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    CHECK(mpt_model_predict(m, d, 10, &a) == MPT_OK, "predict float");
+    CHECK(q && mpt_model_predict(q, d, 10, &b) == MPT_OK, "predict quantized: %s",
+          mpt_context_error(ctx));
+    count = a.data && b.data ? mpt_tensor_count(&a) : 0;
+    CHECK(!b.data || mpt_tensor_count(&b) == mpt_tensor_count(&a), "output shape");
+    for (k = 0; k < count; k++)
+        worst = fmax(worst, fabs(((float *)a.data)[k] - ((float *)b.data)[k]));
+    *same_bits = count > 0 && !memcmp(a.data, b.data, sizeof(float) * (size_t)count);
+    mpt_tensor_free(ctx, &a);
+    mpt_tensor_free(ctx, &b);
+    return worst;
+}
+
+/* The embeddings and LayerNormalization are the float model's own
+   arithmetic: bit for bit its predictions, in both float modes. A GPT
+   block quantizes in dynamic range (every Dense and the attention's four
+   projections int8) within 0.02 of the float model's probabilities, and
+   in float16 (weights that float16 holds exactly) within 1e-5. */
+static void test_small_gpt(void) {
+    static int32_t ids[GPT_N * GPT_T];
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *plain = small_gpt(ctx, 0, 620), *gpt = small_gpt(ctx, 1, 621);
+    mpt_dataset *d;
+    int64_t k;
+    int mode, same;
+    test_seed(62);
+    for (k = 0; k < GPT_N * GPT_T; k++) ids[k] = test_randint(0, GPT_V - 1);
+    d = ids_dataset(ctx, ids, GPT_N);
+    if (!plain || !gpt || !d) return;
+    round_weights_to_half(ctx, gpt);
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *q;
+        double worst;
+        if (mode == MPT_QUANTIZE_FULL_INTEGER) continue; /* test_small_gpt_refusals */
+        q = quantize(plain, (mpt_quantize_mode)mode, NULL, MPT_DTYPE_DEFAULT);
+        worst = predict_difference(ctx, plain, q, d, &same);
+        CHECK(same, "mode %d: the embeddings and LayerNormalization differ from the float "
+              "model's by %g", mode, worst);
+        mpt_model_destroy(q);
+        q = quantize(gpt, (mpt_quantize_mode)mode, NULL, MPT_DTYPE_DEFAULT);
+        worst = predict_difference(ctx, gpt, q, d, &same);
+        CHECK(worst > 0 && worst <= (mode == MPT_QUANTIZE_DYNAMIC_RANGE ? 0.02 : 1e-5),
+              "mode %d: a GPT block differs from the float model's by %g", mode, worst);
+        if (getenv("MPT_TEST_VERBOSE")) printf("  gpt mode %d: worst %g\n", mode, worst);
+        if (q && mode == MPT_QUANTIZE_DYNAMIC_RANGE) {
+            mpt_quantized_layer L;
+            int i, projections = 0, attention = 0, info_n;
+            mpt_quantized_info info;
+            CHECK(mpt_model_quantized_info(q, &info) == MPT_OK, "info");
+            info_n = info.n_layers;
+            for (i = 0; i < info_n; i++) {
+                CHECK(mpt_model_quantized_layer(q, i, &L) == MPT_OK, "layer %d", i);
+                projections += L.op == MPT_QOP_FULLY_CONNECTED && !strncmp(L.name, "attention/", 10) && L.weights != NULL;
+                attention += L.op == MPT_QOP_ATTENTION && L.n_inputs == 3 && L.heads == 2 && L.causal;
+            }
+            CHECK(projections == 4 && attention == 1, "%d int8 projections, %d attentions",
+                  projections, attention);
+        }
+        mpt_model_destroy(q);
+    }
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(plain);
+    mpt_model_destroy(gpt);
+    mpt_context_destroy(ctx);
+}
+
+/* What the quantized GPT does not do is refused, naming the layer: full
+   integer, quantization-aware training, the quantized files; an id
+   outside the table is refused by predict, as the float model refuses it. */
+static void test_small_gpt_refusals(void) {
+    static int32_t ids[GPT_N * GPT_T];
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *gpt = small_gpt(ctx, 1, 622), *q = NULL;
+    mpt_dataset *d = ids_dataset(ctx, ids, GPT_N);
+    mpt_tensor t;
+    FILE *f;
+    if (!gpt || !d) return;
+    test_expect_error(ctx, mpt_model_quantize(gpt, &(mpt_quantize_desc){
+                          .mode = MPT_QUANTIZE_FULL_INTEGER, .representative_data = d}, &q),
+                      MPT_ERR_UNSUPPORTED, "layer 'tokens' (Embedding) has no full-integer form",
+                      "full integer");
+    CHECK(!q, "a full-integer model came back");
+    q = quantize(gpt, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
+    if (q) {
+        test_expect_error(ctx, mpt_model_export_tflite(q, "unwritten.tflite", NULL),
+                          MPT_ERR_UNSUPPORTED, "'tokens' (GATHER)", "export tflite");
+        test_expect_error(ctx, mpt_model_export_onnx(q, "unwritten.onnx", NULL),
+                          MPT_ERR_UNSUPPORTED, "'tokens' (GATHER)", "export onnx");
+        f = fopen("unwritten.tflite", "rb");
+        CHECK(!f, "a refused export left a file");
+        if (f) fclose(f);
+        f = fopen("unwritten.onnx", "rb");
+        CHECK(!f, "a refused export left a file");
+        if (f) fclose(f);
+        ids[5] = GPT_V;
+        test_expect_error(ctx, mpt_model_predict(q, d, 10, &t), MPT_ERR_INVALID_ARGUMENT,
+                          "Embedding 'tokens' got id 16 (sample 0, position 5)", "bad id");
+        ids[5] = 0;
+    }
+    mpt_model_destroy(q);
+    test_expect_error(ctx, mpt_model_quantize_aware(gpt, NULL), MPT_ERR_UNSUPPORTED,
+                      "layer 'tokens' (Embedding) has no full-integer form", "quantize_aware");
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(gpt);
+    mpt_context_destroy(ctx);
+}
+
 /* A model whose output is its input (a Dropout alone: nothing runs at
    inference) has no operation to quantize or to write: refused, saying
    so, with no model made. */
@@ -2546,5 +2711,7 @@ int main(void) {
     TEST_RUN(test_graph_predict_modes);
     TEST_RUN(test_nothing_to_quantize);
     TEST_RUN(test_dense_over_sequence);
+    TEST_RUN(test_small_gpt);
+    TEST_RUN(test_small_gpt_refusals);
     return test_summary("test_quantize");
 }

@@ -2588,7 +2588,8 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
                                             mpt_quantized_layer *out);
 
 /* Runs a quantized model on one batch, as an interpreter's invoke: x is
-   (batch, input shape...) in the model's io_dtype, y is filled with
+   (batch, input shape...) in the model's io_dtype (int32 ids for a model
+   of int32 input: mpt_model_desc.input_dtype), y is filled with
    (batch, output shape...) in io_dtype (float32: dequantized). y is
    allocated here (owned; mpt_tensor_free). Any batch size. */
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
@@ -34373,9 +34374,11 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     if (!m->quantized)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_invoke: the model is not quantized");
     Q = m->quantized;
-    if (x->dtype != Q->io_dtype)
+    if (x->dtype != (m->desc.input_dtype == MPT_INT32 ? MPT_INT32 : Q->io_dtype)) /* ids */
         return mpt__fail(m->ctx, MPT_ERR_DTYPE, "quantized_invoke: input dtype %s, but the "
-                         "model takes %s", mpt_dtype_name(x->dtype), mpt_dtype_name(Q->io_dtype));
+                         "model takes %s", mpt_dtype_name(x->dtype),
+                         mpt_dtype_name(m->desc.input_dtype == MPT_INT32 ? MPT_INT32
+                                                                        : Q->io_dtype));
     if (x->rank < 2 || x->shape[0] < 1)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "quantized_invoke: input rank %d is not (batch, "
                          "sample...)", x->rank);

@@ -1020,6 +1020,23 @@ static void test_small_gpt_refusals(void) {
         f = fopen("unwritten.onnx", "rb");
         CHECK(!f, "a refused export left a file");
         if (f) fclose(f);
+        { /* invoke takes the ids as predict does, and refuses floats */
+            mpt_tensor x, y, p;
+            float floats[GPT_T];
+            memset(&y, 0, sizeof y);
+            memset(&p, 0, sizeof p);
+            mpt_tensor_wrap(ctx, &x, MPT_INT32, 2, (int64_t[]){GPT_N, GPT_T}, ids);
+            CHECK(mpt_model_quantized_invoke(q, &x, &y) == MPT_OK &&
+                      mpt_model_predict(q, d, 7, &p) == MPT_OK &&
+                      !memcmp(y.data, p.data, sizeof(float) * GPT_N * GPT_T * GPT_V),
+                  "invoke differs from predict: %s", mpt_context_error(ctx));
+            mpt_tensor_free(ctx, &y);
+            mpt_tensor_free(ctx, &p);
+            memset(floats, 0, sizeof floats);
+            mpt_tensor_wrap(ctx, &x, MPT_FLOAT32, 2, (int64_t[]){1, GPT_T}, floats);
+            test_expect_error(ctx, mpt_model_quantized_invoke(q, &x, &y), MPT_ERR_DTYPE,
+                              "input dtype float32, but the model takes int32", "invoke");
+        }
         ids[5] = GPT_V;
         test_expect_error(ctx, mpt_model_predict(q, d, 10, &t), MPT_ERR_INVALID_ARGUMENT,
                           "Embedding 'tokens' got id 16 (sample 0, position 5)", "bad id");

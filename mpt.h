@@ -32728,6 +32728,47 @@ static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, in
     }
 }
 
+#if MPT__X86
+/* mpt__q_symmetric_rows of one row with AVX-512, the same bits: the
+   maximum of |x| (max_ps keeps the lane's maximum against a NaN, as the
+   C comparison does), the same product x · inv, truncated, then one up
+   or down where the remainder is at least a half (ties away from zero),
+   clamped to ±127. A row holding inf or NaN returns 0 and is left to the
+   C loop, whose saturation and NaN handling it keeps; -O2 had not made
+   that loop's rounding into vectors (a sequence's Dense quantizes a row
+   of D values per position, and took as long as its int8 product). */
+MPT__TARGET_AVX512 static int mpt__q_symmetric_row_avx512(const float *x, int64_t cols,
+                                                          int8_t *q, float *scale) {
+    __m512 lane = _mm512_setzero_ps(), inv;
+    __mmask16 odd = 0;
+    float amax;
+    int64_t c;
+    for (c = 0; c < cols; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, cols - c));
+        const __m512 v = _mm512_maskz_loadu_ps(m, x + c);
+        odd |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+        lane = _mm512_max_ps(_mm512_abs_ps(v), lane);
+    }
+    amax = _mm512_reduce_max_ps(lane);
+    if (odd || !(amax < INFINITY)) return 0;
+    *scale = amax > 0 ? amax / 127.0f : 1.0f;
+    inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    for (c = 0; c < cols; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, cols - c));
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + c), inv);
+        __m512i i = _mm512_cvttps_epi32(v);
+        const __m512 r = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+        i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(0.5f), _CMP_GE_OQ), i,
+                                  _mm512_set1_epi32(1));
+        i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), i,
+                                  _mm512_set1_epi32(1));
+        i = _mm512_min_epi32(_mm512_max_epi32(i, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+        _mm_mask_storeu_epi8(q + c, m, _mm512_cvtepi32_epi8(i));
+    }
+    return 1;
+}
+#endif
+
 /* Rows of a dynamic product, MPT__Q_TASK_ROWS a task (each row alone, so
    any thread count gives the same): quantized before it, or dequantized
    after it, y = acc · row_scale · w_scale[c] + bias[c], then ReLU. */
@@ -32742,13 +32783,22 @@ typedef struct mpt__qrows_job {
     const int32_t *acc;      /* dequantize: (rows, N)                         */
     const float *row_scale;  /* dequantize: (rows)                            */
     float *y;                /* dequantize: (rows, N)                         */
+    int cpu;                 /* quantize: the context's MPT_CPU_* features     */
 } mpt__qrows_job;
 
 static void mpt__q_quantize_rows_task(void *arg, int64_t task, int thread) {
     const mpt__qrows_job *j = (const mpt__qrows_job *)arg;
-    int64_t r0 = task * MPT__Q_TASK_ROWS, n = MPT__MIN(MPT__Q_TASK_ROWS, j->rows - r0);
+    int64_t r0 = task * MPT__Q_TASK_ROWS, n = MPT__MIN(MPT__Q_TASK_ROWS, j->rows - r0), r;
     (void)thread;
-    mpt__q_symmetric_rows(j->x + r0 * j->cols, n, j->cols, j->q + r0 * j->cols, j->scale + r0);
+    for (r = r0; r < r0 + n; r++) {
+#if MPT__X86
+        if ((j->cpu & MPT_CPU_AVX512) &&
+            mpt__q_symmetric_row_avx512(j->x + r * j->cols, j->cols, j->q + r * j->cols,
+                                        j->scale + r))
+            continue;
+#endif
+        mpt__q_symmetric_rows(j->x + r * j->cols, 1, j->cols, j->q + r * j->cols, j->scale + r);
+    }
 }
 
 static void mpt__q_dequantize_rows_task(void *arg, int64_t task, int thread) {
@@ -32775,7 +32825,7 @@ static void mpt__q_symmetric_rows_parallel(mpt_context *ctx, const float *x, int
                                            int64_t cols, int8_t *q, float *scale) {
     mpt__qrows_job j;
     memset(&j, 0, sizeof j);
-    j.rows = rows, j.cols = cols, j.x = x, j.q = q, j.scale = scale;
+    j.rows = rows, j.cols = cols, j.x = x, j.q = q, j.scale = scale, j.cpu = ctx->cpu;
     mpt__parallel_for(ctx, (rows + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                       mpt__q_quantize_rows_task, &j);
 }
@@ -33346,6 +33396,9 @@ static void mpt__q_softmax_int8(mpt_context *ctx, const mpt__qop *op, const int8
                       mpt__q_softmax_task, &j);
 }
 
+static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_t rows,
+                                int64_t cols); /* @impl-cpu-backend */
+
 /* Embedding, PositionEmbedding and LayerNormalization on n samples, by
    the CPU backend's functions their float layers' forward passes call
    (the same float32 bits). An id outside the table is refused, as the
@@ -33409,9 +33462,8 @@ static mpt_status mpt__q_run_op(mpt_context *ctx, const mpt__quantized *Q, int i
         } else if (integer) {
             for (k = 0; k < count; k++) ((int8_t *)y)[k] = op->lut[((const int8_t *)x)[k] + 128];
         } else {
-            memcpy(y, x, (size_t)count * 4);
-            if (op->info.activation == MPT_ACT_SOFTMAX) mpt__softmax_rows((float *)y, count / cols, cols);
-            else mpt__activation_forward(op->info.activation, (float *)y, count);
+            memcpy(y, x, (size_t)count * 4); /* then as the float model: its AVX-512 GELU, threads */
+            mpt__cpu_activation(ctx, op->info.activation, (float *)y, count / cols, cols);
         }
         return MPT_OK;
     }

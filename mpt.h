@@ -32739,31 +32739,35 @@ static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, in
    of D values per position, and took as long as its int8 product). */
 MPT__TARGET_AVX512 static int mpt__q_symmetric_row_avx512(const float *x, int64_t cols,
                                                           int8_t *q, float *scale) {
+    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
     __m512 lane = _mm512_setzero_ps(), inv;
     __mmask16 odd = 0;
-    float amax;
+    float lanes[16], amax = 0;
     int64_t c;
+    int k;
     for (c = 0; c < cols; c += 16) {
         const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, cols - c));
         const __m512 v = _mm512_maskz_loadu_ps(m, x + c);
         odd |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
-        lane = _mm512_max_ps(_mm512_abs_ps(v), lane);
+        lane = _mm512_maskz_max_ps(all, _mm512_abs_ps(v), lane);
     }
-    amax = _mm512_reduce_max_ps(lane);
+    _mm512_storeu_ps(lanes, lane);
+    for (k = 0; k < 16; k++) amax = lanes[k] > amax ? lanes[k] : amax;
     if (odd || !(amax < INFINITY)) return 0;
     *scale = amax > 0 ? amax / 127.0f : 1.0f;
     inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
     for (c = 0; c < cols; c += 16) {
         const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, cols - c));
         const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + c), inv);
-        __m512i i = _mm512_cvttps_epi32(v);
-        const __m512 r = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+        __m512i i = _mm512_maskz_cvttps_epi32(all, v);
+        const __m512 r = _mm512_sub_ps(v, _mm512_maskz_cvtepi32_ps(all, i));
         i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(0.5f), _CMP_GE_OQ), i,
                                   _mm512_set1_epi32(1));
         i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(r, _mm512_set1_ps(-0.5f), _CMP_LE_OQ), i,
                                   _mm512_set1_epi32(1));
-        i = _mm512_min_epi32(_mm512_max_epi32(i, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
-        _mm_mask_storeu_epi8(q + c, m, _mm512_cvtepi32_epi8(i));
+        i = _mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, i, _mm512_set1_epi32(-127)),
+                                   _mm512_set1_epi32(127));
+        _mm_mask_storeu_epi8(q + c, m, _mm512_maskz_cvtepi32_epi8(all, i));
     }
     return 1;
 }

@@ -34975,7 +34975,7 @@ static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
     int at = (int)(op->last - m->layers), last = at == m->n_layers - 1;
     mpt__qat_point *P = &T->point[at];
     mpt_activation act = op->info.activation;
-    if (op->table || op->attention_bytes || op->last->ops->kind == MPT__LAYER_MULTI_HEAD_ATTENTION)
+    if (op->info.op >= MPT_QOP_GATHER || op->last->ops->kind == MPT__LAYER_MULTI_HEAD_ATTENTION)
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: layer '%s' (%s) has no "
                          "full-integer form", op->last->name, op->last->ops->class_name);
     if (mpt__qop_weighted(op)) {

@@ -1233,6 +1233,41 @@ static void test_bit_exact_across_threads(void) {
         }
 }
 
+/* The small GPT's dynamic-range and float16 predictions (its row
+   quantization, LayerNormalization, attention) are the same bits on 1, 2
+   and 3 threads. */
+static void test_small_gpt_across_threads(void) {
+    static int32_t ids[GPT_N * GPT_T];
+    int mode, threads;
+    int64_t k;
+    test_seed(64);
+    for (k = 0; k < GPT_N * GPT_T; k++) ids[k] = test_randint(0, GPT_V - 1);
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_tensor first;
+        if (mode == MPT_QUANTIZE_FULL_INTEGER) continue;
+        memset(&first, 0, sizeof first);
+        for (threads = 1; threads <= 3; threads++) {
+            mpt_context *ctx = threads_ctx(threads);
+            mpt_model *m = small_gpt(ctx, 1, 623);
+            mpt_dataset *d = ids_dataset(ctx, ids, GPT_N);
+            mpt_model *q = m ? quantize(m, (mpt_quantize_mode)mode, NULL, MPT_DTYPE_DEFAULT) : NULL;
+            mpt_tensor out;
+            memset(&out, 0, sizeof out);
+            CHECK(q && mpt_model_predict(q, d, 10, &out) == MPT_OK, "predict");
+            if (threads == 1) first = out;
+            else
+                CHECK(out.data && first.data && !memcmp(out.data, first.data, mpt_tensor_bytes(&out)),
+                      "mode %d: %d threads differ from 1", mode, threads);
+            if (threads > 1) mpt_tensor_free(ctx, &out);
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            if (threads == 3) mpt_tensor_free(ctx, &first);
+            mpt_context_destroy(ctx);
+        }
+    }
+}
+
 /* ---- calibration -------------------------------------------------------------------------- */
 
 static void test_calibration_ranges(void) {
@@ -2771,5 +2806,6 @@ int main(void) {
     TEST_RUN(test_dense_over_sequence);
     TEST_RUN(test_small_gpt);
     TEST_RUN(test_small_gpt_refusals);
+    TEST_RUN(test_small_gpt_across_threads);
     return test_summary("test_quantize");
 }

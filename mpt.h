@@ -2360,9 +2360,11 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
                     ends) or, with io_dtype, int8 or uint8
                     (mpt_model_quantized_invoke).
      float16        weights stored as float16, computed in float32.
-   Every layer with weights (Dense, Conv2D) is quantized (Dense on vectors
-   only: one over the last axis of a sequence or an image is refused with
-   MPT_ERR_UNSUPPORTED naming it and its input's shape), with a
+   Every layer with weights (Dense, Conv2D) is quantized (a Dense over the
+   last axis of a sequence or an image as TFLite's FULLY_CONNECTED with
+   keep_num_dims: each position a row of the product, in dynamic range
+   quantized as a row of its own; the files take Dense on vectors only,
+   refusing one over a sequence with MPT_ERR_UNSUPPORTED), with a
    BatchNormalization right after it (a Dropout between is fine) folded
    into its kernel and bias first: w'[c] = w[c]·s[c], b'[c] = (b[c] −
    mean[c])·s[c] + beta[c], s = gamma / sqrt(moving_variance + epsilon).
@@ -2414,7 +2416,20 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    calibrated as any tensor) then a MUL by the constant 1/n, held as the
    int8 code 127 at scale (1/n)/127, so exactly 1/n (as the float export
    writes it: ADD, then MUL by 1/n). The float16 and dynamic-range models
-   compute the merges in float32. */
+   compute the merges in float32.
+   A transformer (examples/gpt.c) quantizes in dynamic range and float16:
+   Embedding (GATHER; the model's int32 ids in, an id outside the table
+   refused by predict as by the float model), PositionEmbedding and
+   LayerNormalization stay float32 operations computed by the CPU
+   functions the float layers call, so the same bits; MultiHeadAttention
+   becomes its query, key and value projections (FULLY_CONNECTED over the
+   positions: int8 in dynamic range, float16 weights in float16, as a
+   Dense), the scaled dot-product attention of the three in float32 (the
+   float model's, at inference: no dropout), and the output projection,
+   named "<layer>/query", "/key", "/value", "/attention",
+   "/attention_output". Full integer and quantization-aware training
+   refuse these layers, and the quantized files refuse such a model, with
+   MPT_ERR_UNSUPPORTED naming the layer. */
 
 typedef enum mpt_quantize_mode {
     MPT_QUANTIZE_DYNAMIC_RANGE = 0, /* the default */
@@ -2501,6 +2516,15 @@ typedef enum mpt_quantized_op {
     MPT_QOP_CONCATENATION,       /* n inputs joined along axis              */
     MPT_QOP_PAD,                 /* ZeroPadding2D: pads by the zero point;
                                     in and out share their quantization    */
+    /* A transformer's layers without an int8 form, computed in float32 as
+       the float model computes them (dynamic range and float16 only): */
+    MPT_QOP_GATHER,              /* Embedding: int32 ids in, table rows out */
+    MPT_QOP_POSITION_EMBEDDING,  /* its table's first T rows, each sample   */
+    MPT_QOP_LAYER_NORMALIZATION, /* over the last axis                      */
+    MPT_QOP_ATTENTION,           /* MultiHeadAttention's scaled dot product
+                                    of its query, key and value projections
+                                    (three inputs, each a FULLY_CONNECTED;
+                                    the output projection one after it)    */
     MPT_QOP_COUNT_
 } mpt_quantized_op;
 
@@ -2559,6 +2583,13 @@ typedef struct mpt_quantized_layer {
                                       symmetric per tensor at constant_params
                                       (scale max|c|/127, zero point 0)      */
     mpt_quant_params constant_params;
+    const float *table;            /* GATHER, POSITION_EMBEDDING: out_channels
+                                      rows of depth float32; LAYER_NORMALIZATION:
+                                      gamma (depth), NULL: ones               */
+    const float *beta;             /* LAYER_NORMALIZATION: (depth), NULL: zeros */
+    float epsilon;                 /* LAYER_NORMALIZATION                      */
+    int64_t heads, key_dim, value_dim; /* ATTENTION                            */
+    int causal;                    /* ATTENTION: the causal mask               */
 } mpt_quantized_layer;
 
 typedef struct mpt_quantized_info {
@@ -2583,7 +2614,8 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
                                             mpt_quantized_layer *out);
 
 /* Runs a quantized model on one batch, as an interpreter's invoke: x is
-   (batch, input shape...) in the model's io_dtype, y is filled with
+   (batch, input shape...) in the model's io_dtype (int32 ids for a model
+   of int32 input: mpt_model_desc.input_dtype), y is filled with
    (batch, output shape...) in io_dtype (float32: dequantized). y is
    allocated here (owned; mpt_tensor_free). Any batch size. */
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
@@ -31948,6 +31980,10 @@ typedef struct mpt__qop {
     int32_t out_mult, out_shift;
     int64_t outer, inner[MPT_MAX_MERGE_INPUTS]; /* CONCATENATION: each sample is
                                   outer rows, input k giving inner[k] of each */
+    float *table, *beta;       /* the float32 layers' (info.table, info.beta)  */
+    mpt_attention_args attention; /* ATTENTION: its sizes (batch and pointers
+                                  set per call), float32, no dropout        */
+    int64_t attention_bytes;   /* ATTENTION: the CPU's workspace, in the cols buffer */
 } mpt__qop;
 
 /* A batch's scratch, one block: two activation buffers and what the
@@ -32019,6 +32055,8 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->mult);
     mpt__free(ctx, op->shift);
     mpt__free(ctx, op->direct_w);
+    mpt__free(ctx, op->table);
+    mpt__free(ctx, op->beta);
 }
 
 static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q) {
@@ -32171,16 +32209,10 @@ static mpt_status mpt__q_append_weighted(mpt_model *m, mpt__quantized *Q, const 
         op->info.strides[1] = op->g.sw;
         op->info.padding = d->padding;
     } else {
+        /* over the last axis: each position of a sequence (or pixel of an
+           image) is a row of the product, as in the float model */
         N = L->desc.dense.units;
-        K = L->in_count;
-        if (L->in_rank != 1) { /* the quantized passes take one vector a sample */
-            char sh[96];
-            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                             "quantize: Dense '%s' applies to the last axis of samples of shape "
-                             "%s; the quantized model takes Dense on vectors only (add a "
-                             "Flatten layer before it)",
-                             L->name, mpt_shape_format(sh, sizeof sh, L->in_rank, L->in_shape));
-        }
+        K = L->in_shape[L->in_rank - 1];
     }
     op->info.out_channels = N;
     op->info.depth = K;
@@ -32394,6 +32426,139 @@ static void mpt__q_append_pad(mpt__quantized *Q, const mpt__layer *L, int in_t) 
     mpt__zero_padding2d_sides(L, op->info.pads);
 }
 
+/* ---- a transformer's layers: float32 operations and int8 projections ------------------- */
+
+/* A parameter's float32 values into a new array *dst, checked finite
+   (NULL P: *dst stays NULL). */
+static mpt_status mpt__q_param_copy(mpt_model *m, const mpt__layer *L, const mpt__param *P,
+                                    float **dst) {
+    int64_t k;
+    *dst = NULL;
+    if (!P) return MPT_OK;
+    *dst = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)P->count);
+    if (!*dst) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for "
+                                "'%s'", L->name);
+    MPT__CHECK(mpt__q_param_read(m, P, *dst));
+    for (k = 0; k < P->count; k++)
+        if (!isfinite((*dst)[k]))
+            return mpt__fail(m->ctx, MPT_ERR_NUMERIC, "quantize: %s '%s' holds a %s that is not "
+                             "finite", L->ops->class_name, L->name, P->name);
+    return MPT_OK;
+}
+
+/* One of MultiHeadAttention's projections as a FULLY_CONNECTED over the
+   positions, named "<layer>/<what>": x (T, K) times the kernel, which
+   Keras keeps as (K, H, width) or (H, value_dim, output_dim), both (K, N)
+   as a Dense's, plus the bias (N) or zeros. */
+static mpt_status mpt__q_append_projection(mpt_model *m, mpt__quantized *Q, const mpt__layer *L,
+                                           int projection, int in_t, int64_t T, int64_t K,
+                                           int64_t N) {
+    static const char *const what[] = {"query", "key", "value", "attention_output"};
+    const int bias = mpt__mha_bias_slot(L, projection);
+    mpt__qop *op = mpt__q_append(Q, L, MPT_QOP_FULLY_CONNECTED, in_t);
+    float *kernel = NULL;
+    int64_t n, k;
+    mpt_status s;
+    snprintf(op->name, sizeof op->name, "%.40s/%s", L->name, what[projection]);
+    op->info.in_rank = op->info.out_rank = 2;
+    op->info.in_shape[0] = op->info.out_shape[0] = T;
+    op->info.in_shape[1] = K;
+    op->info.out_shape[1] = N;
+    op->in_count = T * K, op->out_count = T * N;
+    op->info.out_channels = N, op->info.depth = K;
+    if (K > MPT_QGEMM_MAX_K)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: MultiHeadAttention '%s' sums "
+                         "%lld products per output, more than the int8 product's %d", L->name,
+                         (long long)K, MPT_QGEMM_MAX_K);
+    s = mpt__q_param_copy(m, L, L->param[mpt__mha_kernel_slot(L, projection)], &kernel);
+    if (s == MPT_OK && bias >= 0) s = mpt__q_param_copy(m, L, L->param[bias], &op->bias);
+    if (s == MPT_OK && !op->bias) {
+        op->bias = (float *)mpt__calloc(m->ctx, sizeof(float) * (size_t)N);
+        if (!op->bias) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    }
+    if (s == MPT_OK) {
+        op->w = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(N * K));
+        if (!op->w) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    }
+    for (k = 0; s == MPT_OK && k < K; k++) /* (K, N) into rows of output channels */
+        for (n = 0; n < N; n++) op->w[n * K + k] = kernel[k * N + n];
+    mpt__free(m->ctx, kernel);
+    return s;
+}
+
+/* MultiHeadAttention: its query, key and value projections (int8 in the
+   int8 modes, as a Dense), the attention of the three (float32, the CPU
+   backend's, as the float model's forward at inference), then the output
+   projection. */
+static mpt_status mpt__q_append_attention(mpt_model *m, mpt__quantized *Q, const mpt__layer *L,
+                                          const int *node_t) {
+    const mpt__mha_sizes z = mpt__mha_sizes_of(m, L);
+    const int64_t width[] = {z.qk, z.qk, z.v};
+    mpt__qop *op;
+    int pr, made[3];
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++) {
+        MPT__CHECK(mpt__q_append_projection(m, Q, L, pr, node_t[L->in_node[mpt__mha_input(L, pr)]],
+                                            z.T[pr], z.D[pr], width[pr]));
+        made[pr] = Q->n_ops;
+    }
+    op = mpt__q_append(Q, L, MPT_QOP_ATTENTION, made[0]);
+    snprintf(op->name, sizeof op->name, "%.40s/attention", L->name);
+    op->info.n_inputs = 3;
+    for (pr = 0; pr < 3; pr++) op->in_t[pr] = made[pr], op->info.inputs[pr] = made[pr] - 1;
+    op->info.in_rank = op->info.out_rank = 2;
+    op->info.in_shape[0] = op->info.out_shape[0] = z.T[MPT__MHA_QUERY];
+    op->info.in_shape[1] = z.qk;
+    op->info.out_shape[1] = z.v;
+    op->in_count = z.q_rows, op->out_count = z.o_rows;
+    op->attention = mpt__mha_attention_args(L, 0, z.T[MPT__MHA_KEY]);
+    op->attention.dtype = MPT_FLOAT32;
+    op->attention.dropout = 0;
+    op->attention_bytes = mpt__cpu_attention_workspace(m->ctx, &op->attention);
+    if (op->attention_bytes < 0)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW, "quantize: MultiHeadAttention '%s': its "
+                         "workspace is too large", L->name);
+    op->info.heads = op->attention.heads;
+    op->info.key_dim = op->attention.key_dim;
+    op->info.value_dim = op->attention.value_dim;
+    op->info.causal = op->attention.causal;
+    return mpt__q_append_projection(m, Q, L, MPT__MHA_OUTPUT, Q->n_ops, z.T[MPT__MHA_QUERY], z.v,
+                                    z.D[MPT__MHA_OUTPUT]);
+}
+
+/* Embedding, PositionEmbedding, LayerNormalization and MultiHeadAttention:
+   float32 operations of the float model's arithmetic, its projections
+   int8 products. The full-integer model has no form for them. */
+static mpt_status mpt__q_append_float_layer(mpt_model *m, mpt__quantized *Q, const mpt__layer *L,
+                                            const int *node_t) {
+    const int kind = L->ops->kind, in = node_t[L->in_node[0]];
+    mpt__qop *op;
+    if (Q->mode == MPT_QUANTIZE_FULL_INTEGER)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
+                         "full-integer form: quantize in dynamic range or float16",
+                         L->name, L->ops->class_name);
+    if (kind == MPT__LAYER_MULTI_HEAD_ATTENTION) return mpt__q_append_attention(m, Q, L, node_t);
+    if (kind == MPT__LAYER_LAYER_NORMALIZATION) {
+        const int gamma = mpt__ln_gamma_slot(L), beta = mpt__ln_beta_slot(L);
+        op = mpt__q_append(Q, L, MPT_QOP_LAYER_NORMALIZATION, in);
+        op->info.depth = L->in_shape[L->in_rank - 1];
+        op->info.epsilon = mpt__ln_epsilon(L);
+        MPT__CHECK(mpt__q_param_copy(m, L, gamma >= 0 ? L->param[gamma] : NULL, &op->table));
+        MPT__CHECK(mpt__q_param_copy(m, L, beta >= 0 ? L->param[beta] : NULL, &op->beta));
+        op->info.beta = op->beta;
+        Q->size_bytes += 4 * op->info.depth * ((gamma >= 0) + (beta >= 0));
+    } else {
+        op = mpt__q_append(Q, L, kind == MPT__LAYER_EMBEDDING ? MPT_QOP_GATHER
+                                                              : MPT_QOP_POSITION_EMBEDDING, in);
+        op->info.depth = L->out_shape[L->out_rank - 1];
+        op->info.out_channels = kind == MPT__LAYER_EMBEDDING ? L->desc.embedding.input_dim
+                                                             : L->in_shape[0];
+        MPT__CHECK(mpt__q_param_copy(m, L, L->param[0], &op->table)); /* (rows, D) */
+        Q->size_bytes += 4 * op->info.out_channels * op->info.depth;
+    }
+    op->info.table = op->table;
+    return MPT_OK;
+}
+
 /* Layer L (of node node = its index + 1) into operations, or into nothing:
    node_t[node] is then the tensor it leaves as it was. */
 /* A shared layer's later call: its operations named "<name>/call<k>" (as
@@ -32450,6 +32615,12 @@ static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
     case MPT__LAYER_MULTIPLY:
     case MPT__LAYER_AVERAGE:
     case MPT__LAYER_CONCATENATE: MPT__CHECK(mpt__q_append_merge(m, Q, L, node_t)); break;
+    case MPT__LAYER_EMBEDDING:
+    case MPT__LAYER_POSITION_EMBEDDING:
+    case MPT__LAYER_LAYER_NORMALIZATION:
+    case MPT__LAYER_MULTI_HEAD_ATTENTION:
+        MPT__CHECK(mpt__q_append_float_layer(m, Q, L, node_t));
+        break;
     default:
         return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: layer '%s' (%s) has no "
                          "quantized form", L->name, L->ops->class_name);
@@ -32528,6 +32699,8 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
         if (op) Q->max_count = MPT__MAX(Q->max_count, op->out_count);
         if (op && op->info.op == MPT_QOP_CONV_2D)
             Q->max_cols = MPT__MAX(Q->max_cols, op->g.oh * op->g.ow * op->info.depth);
+        if (op && op->info.op == MPT_QOP_ATTENTION) /* its workspace is the cols buffer */
+            Q->max_cols = MPT__MAX(Q->max_cols, (op->attention_bytes + 3) / 4);
     }
     for (i = 0; i < Q->n_ops; i++) {
         Q->ops[i].fuse_pool = mpt__q_pool_follows(Q, i);
@@ -33074,9 +33247,11 @@ static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized 
                                          mpt__qexec ex, const void *x, void *y, int64_t n,
                                          mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
-    if (ex != MPT__QX_DYNAMIC) return mpt__q_product(ctx, Q, i, ex, x, n, NULL, y, w);
-    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq, w->row_scale);
-    return mpt__q_product(ctx, Q, i, ex, w->xq, n, w->row_scale, y, w);
+    const int64_t rows = n * (op->in_count / op->info.depth); /* a row per position */
+    if (ex != MPT__QX_DYNAMIC) return mpt__q_product(ctx, Q, i, ex, x, rows, NULL, y, w);
+    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, rows, op->info.depth, w->xq,
+                                   w->row_scale);
+    return mpt__q_product(ctx, Q, i, ex, w->xq, rows, w->row_scale, y, w);
 }
 
 /* A float16 model's Conv2D as the float32 model's runs it, by the CPU's
@@ -33609,6 +33784,49 @@ static void mpt__q_softmax_int8(mpt_context *ctx, const mpt__qop *op, const int8
                       mpt__q_softmax_task, &j);
 }
 
+static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_t rows,
+                                int64_t cols); /* @impl-cpu-backend */
+
+/* Embedding, PositionEmbedding and LayerNormalization on n samples, by
+   the CPU backend's functions their float layers' forward passes call
+   (the same float32 bits). An id outside the table is refused, as the
+   float model refuses it, rather than read as zeros. LayerNormalization's
+   row means and inverse deviations, which backward would read, go to the
+   dynamic products' scratch. */
+static mpt_status mpt__q_float_layer(mpt_context *ctx, const mpt__qop *op, const void *x,
+                                     void *y, int64_t n, mpt__qwork *w) {
+    const int64_t D = op->info.depth;
+    int64_t k;
+    if (op->info.op == MPT_QOP_GATHER) {
+        const int32_t *ids = (const int32_t *)x;
+        for (k = 0; k < n * op->in_count; k++)
+            if (ids[k] < 0 || ids[k] >= op->info.out_channels)
+                return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantized model: Embedding "
+                                 "'%s' got id %d (sample %lld, position %lld), outside its "
+                                 "table: ids are 0..%lld", op->name, (int)ids[k],
+                                 (long long)(k / op->in_count), (long long)(k % op->in_count),
+                                 (long long)op->info.out_channels - 1);
+        mpt__cpu_gather_rows(ctx, MPT_FLOAT32, y, op->table, op->info.out_channels, D, ids,
+                             n * op->in_count);
+    } else if (op->info.op == MPT_QOP_POSITION_EMBEDDING) {
+        for (k = 0; k < n; k++) /* as the float model's copy_rows, a sample a row */
+            memcpy((float *)y + k * op->out_count, op->table, sizeof(float) * (size_t)op->out_count);
+    } else {
+        mpt_layernorm_args a;
+        memset(&a, 0, sizeof a);
+        a.dtype = MPT_FLOAT32;
+        a.cols = D;
+        a.rows = n * (op->in_count / D);
+        a.epsilon = op->info.epsilon;
+        a.x = x, a.y = y;
+        a.gamma = op->table, a.beta = op->beta;
+        a.mean = w->row_scale;                /* (batch · max_count) floats each */
+        a.inv_std = (float *)(void *)w->acc;
+        mpt__cpu_layernorm_forward(ctx, &a);
+    }
+    return MPT_OK;
+}
+
 /* Operation i on n samples: x in, y out (float32, or int8 in integer). */
 static mpt_status mpt__q_run_op(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
                                 const void *x, void *y, int64_t n, mpt__qwork *w) {
@@ -33632,12 +33850,14 @@ static mpt_status mpt__q_run_op(mpt_context *ctx, const mpt__quantized *Q, int i
         } else if (integer) {
             for (k = 0; k < count; k++) ((int8_t *)y)[k] = op->lut[((const int8_t *)x)[k] + 128];
         } else {
-            memcpy(y, x, (size_t)count * 4);
-            if (op->info.activation == MPT_ACT_SOFTMAX) mpt__softmax_rows((float *)y, count / cols, cols);
-            else mpt__activation_forward(op->info.activation, (float *)y, count);
+            memcpy(y, x, (size_t)count * 4); /* then as the float model: its AVX-512 GELU, threads */
+            mpt__cpu_activation(ctx, op->info.activation, (float *)y, count / cols, cols);
         }
         return MPT_OK;
     }
+    case MPT_QOP_GATHER:
+    case MPT_QOP_POSITION_EMBEDDING:
+    case MPT_QOP_LAYER_NORMALIZATION: return mpt__q_float_layer(ctx, op, x, y, n, w);
     default: return mpt__fail(ctx, MPT_ERR_STATE, "quantized model: unknown operation %d",
                               (int)op->info.op);
     }
@@ -33689,6 +33909,22 @@ static void mpt__q_run_graph_op(const mpt__quantized *Q, int i, mpt__qexec ex, c
                        n * op->out_count);
 }
 
+/* MultiHeadAttention's scaled dot product on n samples: its three inputs
+   (the query, key and value projections), the CPU backend's attention,
+   its workspace the cols buffer (mpt__q_plan sized it). */
+static void mpt__q_attention(mpt_context *ctx, const mpt__quantized *Q, int i, const void *x,
+                             void *y, int64_t n, const mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    mpt_attention_args a = op->attention;
+    a.batch = n;
+    a.q = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
+    a.k = mpt__q_tensor_at(Q, w, x, op->in_t[1]);
+    a.v = mpt__q_tensor_at(Q, w, x, op->in_t[2]);
+    a.o = y;
+    a.workspace = w->cols;
+    mpt__cpu_attention_forward(ctx, &a);
+}
+
 /* n samples through every operation: returns the output's bytes (x itself
    when the output is the input, or a reshape of it, which copies
    nothing). Each operation reads its input tensors' bytes and writes its
@@ -33713,6 +33949,8 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         if (op->info.op == MPT_QOP_RESHAPE) { /* the same bytes */
         } else if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
             mpt__q_run_graph_op(Q, i, ex, x, y, n, w);
+        } else if (op->info.op == MPT_QOP_ATTENTION) {
+            mpt__q_attention(ctx, Q, i, x, y, n, w);
         } else {
             MPT__CHECK(mpt__q_run_op(ctx, Q, i, ex, in, y, n, w));
         }
@@ -33864,6 +34102,7 @@ static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mp
 /* The dtype a quantized model's batches of d are loaded in: a full-integer
    model reads a uint8 dataset's bytes as they are (mpt__q_byte_table). */
 static mpt_dtype mpt__q_batch_dtype(const mpt__quantized *Q, const mpt_dataset *d) {
+    if (d->x_dtype == MPT_INT32) return MPT_INT32; /* an Embedding's ids, as they are */
     return Q->mode == MPT_QUANTIZE_FULL_INTEGER && d->x_dtype == MPT_UINT8 ? MPT_UINT8
                                                                           : MPT_FLOAT32;
 }
@@ -34529,7 +34768,9 @@ static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size)
     static const char *const mode[] = {"dynamic-range", "full integer", "float16"};
     static const char *const op_name[] = {"FULLY_CONNECTED", "CONV_2D", "MAX_POOL_2D",
                                           "AVERAGE_POOL_2D", "MEAN", "RESHAPE", "ACTIVATION",
-                                          "ADD", "SUB", "MUL", "CONCATENATION", "PAD"};
+                                          "ADD", "SUB", "MUL", "CONCATENATION", "PAD", "GATHER",
+                                          "POSITION_EMBEDDING", "LAYER_NORMALIZATION",
+                                          "ATTENTION"};
     const mpt__quantized *Q = m->quantized;
     size_t used = 0;
     int i;
@@ -34620,9 +34861,11 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     if (!m->quantized)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_invoke: the model is not quantized");
     Q = m->quantized;
-    if (x->dtype != Q->io_dtype)
+    if (x->dtype != (m->desc.input_dtype == MPT_INT32 ? MPT_INT32 : Q->io_dtype)) /* ids */
         return mpt__fail(m->ctx, MPT_ERR_DTYPE, "quantized_invoke: input dtype %s, but the "
-                         "model takes %s", mpt_dtype_name(x->dtype), mpt_dtype_name(Q->io_dtype));
+                         "model takes %s", mpt_dtype_name(x->dtype),
+                         mpt_dtype_name(m->desc.input_dtype == MPT_INT32 ? MPT_INT32
+                                                                        : Q->io_dtype));
     if (x->rank < 2 || x->shape[0] < 1)
         return mpt__fail(m->ctx, MPT_ERR_SHAPE, "quantized_invoke: input rank %d is not (batch, "
                          "sample...)", x->rank);
@@ -35163,10 +35406,20 @@ static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
     int at = (int)(op->last - m->layers), last = at == m->n_layers - 1;
     mpt__qat_point *P = &T->point[at];
     mpt_activation act = op->info.activation;
+    if (op->info.op >= MPT_QOP_GATHER || op->last->ops->kind == MPT__LAYER_MULTI_HEAD_ATTENTION)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: layer '%s' (%s) has no "
+                         "full-integer form", op->last->name, op->last->ops->class_name);
     if (mpt__qop_weighted(op)) {
         const mpt__layer *L = mpt__find_layer(m, op->name);
         mpt_activation own = mpt__layer_activation(L);
         int k = (int)(L - m->layers);
+        if (L->ops->kind == MPT__LAYER_DENSE && L->in_rank != 1) {
+            char sh[96]; /* the quantized model takes it (a row a position); training not yet */
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                             "quantize_aware: Dense '%s' applies to the last axis of samples of "
+                             "shape %s; quantization-aware training takes Dense on vectors only",
+                             L->name, mpt_shape_format(sh, sizeof sh, L->in_rank, L->in_shape));
+        }
         if (own != MPT_ACT_NONE && own != MPT_ACT_RELU && !(last && own == MPT_ACT_SOFTMAX))
             return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: %s '%s' ends in %s, "
                              "whose input the integer model quantizes but training cannot see: "
@@ -35747,6 +36000,32 @@ static void mpt__export_plan_free(mpt__export_plan *pl) {
     pl->n = 0;
 }
 
+/* The operations the quantized writers have a form for: a Dense over
+   vectors only (the int8 FULLY_CONNECTED over every position of a
+   sequence is predict's, not yet a file's), none of a transformer's
+   float32 operations. */
+static mpt_status mpt__export_quantized_check(mpt_model *m, const char *format,
+                                              const char *path) {
+    static const char *const kinds[] = {"GATHER", "POSITION_EMBEDDING", "LAYER_NORMALIZATION",
+                                        "ATTENTION"};
+    const mpt__quantized *Q = m->quantized;
+    int i;
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt_quantized_layer *L = &Q->ops[i].info;
+        char sh[96];
+        if (L->op >= MPT_QOP_GATHER && L->op <= MPT_QOP_ATTENTION)
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the quantized "
+                             "model's '%s' (%s) has no form in the quantized %s writer yet",
+                             format, path, L->name, kinds[L->op - MPT_QOP_GATHER], format);
+        if (L->op == MPT_QOP_FULLY_CONNECTED && L->in_rank != 1)
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export to %s '%s': the quantized "
+                             "Dense '%s' applies to samples of shape %s; the quantized %s "
+                             "writer takes Dense on vectors only", format, path, L->name,
+                             mpt_shape_format(sh, sizeof sh, L->in_rank, L->in_shape), format);
+    }
+    return MPT_OK;
+}
+
 /* Checks the call and walks the layers into steps. */
 static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
                                         const char *path, const mpt_export_desc *desc) {
@@ -35773,7 +36052,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
                              "weights are stored: leave it at its default%s", format, path,
                              mpt_dtype_name(d.weight_dtype), (int)d.weight_dtype,
                              pl->weight_dtype == MPT_FLOAT16 ? " (or float16)" : "");
-        return MPT_OK;
+        return mpt__export_quantized_check(m, format, path);
     }
     if (!m->built)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "export to %s '%s': the model is not built "

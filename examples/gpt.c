@@ -14,6 +14,7 @@
    Run:   ./gpt [--data FILE] [--steps 1000] [--eval-interval 250]
                 [--batch-size 32] [--policy mixed_bfloat16] [--threads N]
                 [--seed 1] [--sample 300] [--verbose 1] [--profile DIR]
+                [--quantize dynamic_int8|float16]
    Without --data it reads the English fortunes of Debian's `fortunes`
    package (every file of /usr/share/games/fortunes but the .dat indexes,
    in name order: about 2.6 MB). Shows Keras' progress bar per
@@ -24,7 +25,18 @@
    cross-entropy) and bits_per_char. --profile DIR times steps 2 and 3
    layer by layer (fit's profile_batch; the first step is left out, as it
    warms the caches), prints the per-layer table at the end of fit and
-   writes the Chrome trace under DIR. */
+   writes the Chrome trace under DIR. --quantize quantizes the trained
+   model (mpt_model_quantize, examples/quantize.c's variant names:
+   dynamic_int8 makes every Dense and the attention's projections int8
+   products; float16 stores them as float16) and reports its validation
+   loss beside the float model's, and both models' predict speed over the
+   first PREDICT_WINDOWS validation windows (tokens/s: one warm-up pass
+   each, then the best of PREDICT_ROUNDS passes taken in turn, float
+   then quantized), in the JSON line too. full_int8 is refused: the
+   int8-only model has no form for the embeddings, LayerNormalization or
+   the attention. */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <time.h>
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "common.h"
@@ -32,6 +44,7 @@
 #include <dirent.h>
 
 enum { VOCAB = 256, CONTEXT = 128, WIDTH = 256, HEADS = 4, LAYERS = 4 };
+enum { PREDICT_WINDOWS = 256, PREDICT_ROUNDS = 3 };
 
 typedef struct gpt_options {
     const char *data;        /* NULL: the fortunes                            */
@@ -42,6 +55,8 @@ typedef struct gpt_options {
     uint64_t seed;
     int64_t sample;          /* bytes of text to generate at the end          */
     const char *profile_dir; /* NULL: no profile                              */
+    const char *quantize_name; /* NULL: no quantized model                    */
+    mpt_quantize_mode quantize;
 } gpt_options;
 
 static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
@@ -52,6 +67,7 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
         if (!strcmp(flag, "--data")) o->data = value;
         else if (!strcmp(flag, "--policy")) o->policy_name = value;
         else if (!strcmp(flag, "--profile")) o->profile_dir = value;
+        else if (!strcmp(flag, "--quantize")) o->quantize_name = value;
         else if (!strcmp(flag, "--steps") && read_number(argv[0], flag, value, INT32_MAX, &n))
             o->steps = (int64_t)n;
         else if (!strcmp(flag, "--eval-interval") &&
@@ -71,16 +87,83 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
         else break;
     }
     if (!policy_named(o->policy_name, &o->policy)) i = -1;
+    if (!o->quantize_name) { /* none */
+    } else if (!strcmp(o->quantize_name, "dynamic_int8")) {
+        o->quantize = MPT_QUANTIZE_DYNAMIC_RANGE;
+    } else if (!strcmp(o->quantize_name, "float16")) {
+        o->quantize = MPT_QUANTIZE_FLOAT16;
+    } else if (!strcmp(o->quantize_name, "full_int8")) {
+        o->quantize = MPT_QUANTIZE_FULL_INTEGER; /* refused by mpt_model_quantize, saying why */
+    } else {
+        i = -1;
+    }
     if (i != argc) {
         fprintf(stderr, "usage: %s [--data FILE] [--steps N] [--eval-interval N]\n"
                         "          [--batch-size N] [--policy float32|mixed_float16|"
                         "mixed_bfloat16]\n"
                         "          [--threads N] [--seed N] [--sample N] [--verbose 0|1|2]\n"
-                        "          [--profile DIR]\n",
+                        "          [--profile DIR] [--quantize dynamic_int8|float16]\n",
                 argv[0]);
         return 0;
     }
     return 1;
+}
+
+/* ---- the quantized model --------------------------------------------------------- */
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+typedef struct quantized_result {
+    double val_loss;                  /* nats per byte, as the float model's */
+    double float_tokens_per_s, quantized_tokens_per_s; /* predict           */
+} quantized_result;
+
+/* Predict's speed, tokens/s, of the float model and the quantized one over
+   the same windows: one warm-up pass each, then PREDICT_ROUNDS passes each
+   in turn (so that a busy host slows both alike), the fastest kept. */
+static mpt_status time_predict(mpt_context *ctx, mpt_model *model, mpt_model *q,
+                               const mpt_dataset *windows, int64_t batch_size,
+                               quantized_result *r) {
+    mpt_model *both[2] = { model, q };
+    double best[2] = { INFINITY, INFINITY };
+    int round, k;
+    for (round = 0; round <= PREDICT_ROUNDS; round++)
+        for (k = 0; k < 2; k++) {
+            mpt_tensor out;
+            double start = now(), seconds;
+            mpt_status s = mpt_model_predict(both[k], windows, batch_size, &out);
+            if (s != MPT_OK) return s;
+            seconds = now() - start;
+            mpt_tensor_free(ctx, &out);
+            if (round > 0 && seconds < best[k]) best[k] = seconds; /* round 0 warms up */
+        }
+    r->float_tokens_per_s = (double)(mpt_dataset_count(windows) * CONTEXT) / best[0];
+    r->quantized_tokens_per_s = (double)(mpt_dataset_count(windows) * CONTEXT) / best[1];
+    return MPT_OK;
+}
+
+/* The trained model quantized: its validation loss by the same evaluate,
+   and both models' predict speed over the first PREDICT_WINDOWS windows. */
+static mpt_status compare_quantized(mpt_context *ctx, mpt_model *model, const mpt_dataset *val,
+                                    const gpt_options *o, quantized_result *r) {
+    mpt_model *q = NULL;
+    mpt_dataset *head = NULL;
+    mpt_logs logs;
+    mpt_status s = mpt_model_quantize(model, &(mpt_quantize_desc){ .mode = o->quantize }, &q);
+    if (s == MPT_OK)
+        s = mpt_model_evaluate(q, val, &(mpt_evaluate_desc){ .batch_size = o->batch_size },
+                               &logs);
+    r->val_loss = s == MPT_OK ? mpt_logs_get(&logs, "loss") : 0;
+    if (s == MPT_OK && mpt_dataset_count(val) > PREDICT_WINDOWS)
+        s = mpt_dataset_split(ctx, val, PREDICT_WINDOWS, &head, NULL);
+    if (s == MPT_OK) s = time_predict(ctx, model, q, head ? head : val, o->batch_size, r);
+    mpt_dataset_destroy(head);
+    mpt_model_destroy(q);
+    return s;
 }
 
 /* ---- the text ------------------------------------------------------------------ */
@@ -189,6 +272,7 @@ int main(int argc, char **argv) {
     mpt_dataset *train, *val;
     mpt_logs result;
     mpt_history h;
+    quantized_result qr = { 0, 0, 0 };
     double tokens_per_s = 0;
     char *text = NULL;
     int32_t *ids;
@@ -228,6 +312,17 @@ int main(int argc, char **argv) {
     for (k = 0; k < h.n_keys; k++)
         if (!strcmp(h.keys[k], "samples_per_second") && h.epochs > 0)
             tokens_per_s = h.values[k][h.epochs - 1] * CONTEXT;
+    if (o.quantize_name) {
+        TRY(compare_quantized(ctx, model, val, &o, &qr));
+        printf("validation loss: %s %.4f, %s %.4f nats/byte (%.4f, %.4f bits/char)\n"
+               "predict over %lld windows: %s %.0f tokens/s, %s %.0f tokens/s (%.2fx)\n",
+               o.policy_name, mpt_logs_get(&result, "loss"), o.quantize_name, qr.val_loss,
+               mpt_logs_get(&result, "loss") / log(2.0), qr.val_loss / log(2.0),
+               (long long)(mpt_dataset_count(val) < PREDICT_WINDOWS ? mpt_dataset_count(val)
+                                                                     : PREDICT_WINDOWS),
+               o.policy_name, qr.float_tokens_per_s, o.quantize_name, qr.quantized_tokens_per_s,
+               qr.quantized_tokens_per_s / qr.float_tokens_per_s);
+    }
 
     /* a sample: o.sample bytes after a newline, each drawn at temperature
        0.8 from the 40 likeliest (the attention's keys and values cached,
@@ -243,10 +338,17 @@ int main(int argc, char **argv) {
     }
     printf("{\"model\":\"gpt\",\"policy\":\"%s\",\"steps\":%lld,\"batch_size\":%d,"
            "\"context\":%d,\"threads\":%d,\"tokens_per_s\":%.0f,\"val_loss\":%.4f,"
-           "\"bits_per_char\":%.4f}\n",
+           "\"bits_per_char\":%.4f",
            o.policy_name, (long long)o.steps, (int)o.batch_size, CONTEXT,
            mpt_context_num_threads(ctx), tokens_per_s, mpt_logs_get(&result, "loss"),
            mpt_logs_get(&result, "loss") / log(2.0));
+    if (o.quantize_name)
+        printf(",\"quantize\":\"%s\",\"quantized_val_loss\":%.4f,"
+               "\"quantized_bits_per_char\":%.4f,\"predict_tokens_per_s\":%.0f,"
+               "\"quantized_predict_tokens_per_s\":%.0f",
+               o.quantize_name, qr.val_loss, qr.val_loss / log(2.0), qr.float_tokens_per_s,
+               qr.quantized_tokens_per_s);
+    printf("}\n");
     free(ids);
     free(text);
     mpt_model_destroy(model);

@@ -623,18 +623,6 @@ static inline void test_expect_error(mpt_context *q, mpt_status got, mpt_status 
           mpt_context_error(q), words);
 }
 
-/* Neither quantization takes m: mpt_model_quantize (by default) and
-   mpt_model_quantize_aware both refuse it, MPT_ERR_UNSUPPORTED with a
-   message (q's) that holds words, and no quantized model comes back. */
-static inline void test_quantize_refused(mpt_context *q, mpt_model *m, const char *words) {
-    mpt_model *qm = NULL;
-    test_expect_error(q, mpt_model_quantize(m, NULL, &qm), MPT_ERR_UNSUPPORTED, words, "quantize");
-    CHECK(qm == NULL, "quantize gave a model");
-    mpt_model_destroy(qm);
-    test_expect_error(q, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED, words,
-                      "quantize_aware");
-}
-
 /* What a printer received (mpt_printer {test_text_append, &t}): each text
    appended to buf while it fits, one that does not dropped whole. */
 typedef struct test_text {

@@ -907,8 +907,9 @@ static void test_refusals(void) {
         m, &(mpt_multi_head_attention_desc){.num_heads = (int64_t)1 << 40, .key_dim = (int64_t)1 << 30});
     test_expect_error(q, mpt_model_build(m, 2), MPT_ERR_OVERFLOW, "is too large", "build");
     mpt_model_destroy(m);
-    /* quantization has no case for it yet (the float exports have:
-       tests/test_export.c runs them in LiteRT and ONNX Runtime) */
+    /* quantization takes it in dynamic range (its projections int8, the
+       attention float32: tests/test_quantize.c checks the numbers); full
+       integer has no form for it and says so */
     mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, 6}, .input_rank = 2}, &m);
     mpt_model_add_multi_head_attention(m, &(mpt_multi_head_attention_desc){.num_heads = 1,
                                                                           .key_dim = 2});
@@ -917,10 +918,33 @@ static void test_refusals(void) {
     CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
     mpt_model_refresh_weights(m); /* as trained */
     {
+        static float x[4 * 4 * 6];
         mpt_model *quantized = NULL;
-        test_expect_error(q, mpt_model_quantize(m, NULL, &quantized), MPT_ERR_UNSUPPORTED,
-                          "multi_head_attention", "quantize");
+        mpt_dataset *d = NULL;
+        mpt_tensor t, a, b;
+        int64_t k;
+        double worst = 0;
+        for (k = 0; k < 4 * 4 * 6; k++) x[k] = (float)((k * 37 % 23) - 11) / 11.0f;
+        mpt_tensor_wrap(q, &t, MPT_FLOAT32, 3, (int64_t[]){4, 4, 6}, x);
+        CHECK(mpt_dataset_create(q, &(mpt_dataset_desc){.x = &t}, &d) == MPT_OK, "dataset");
+        CHECK(mpt_model_quantize(m, NULL, &quantized) == MPT_OK && quantized, "quantize: %s",
+              mpt_context_error(q));
+        CHECK(quantized && mpt_model_predict(m, d, 4, &a) == MPT_OK &&
+                  mpt_model_predict(quantized, d, 4, &b) == MPT_OK,
+              "predict: %s", mpt_context_error(q));
+        for (k = 0; quantized && k < 4 * 3; k++)
+            worst = fmax(worst, fabs(((float *)a.data)[k] - ((float *)b.data)[k]));
+        CHECK(worst < 0.05, "the quantized attention differs by %g", worst);
+        if (quantized) mpt_tensor_free(q, &a), mpt_tensor_free(q, &b);
+        mpt_model_destroy(quantized);
+        quantized = NULL;
+        test_expect_error(q, mpt_model_quantize(m, &(mpt_quantize_desc){
+                              .mode = MPT_QUANTIZE_FULL_INTEGER, .representative_data = d},
+                              &quantized),
+                          MPT_ERR_UNSUPPORTED, "'multi_head_attention' (MultiHeadAttention) has "
+                          "no full-integer form", "quantize full integer");
         CHECK(quantized == NULL, "quantize gave a model");
+        mpt_dataset_destroy(d);
     }
     mpt_model_destroy(m);
     mpt_context_destroy(q);

@@ -713,8 +713,10 @@ static void test_summary_rows(void) {
 }
 
 /* The float exports take both layers (their files run in LiteRT and ONNX
-   Runtime in tests/test_export.c); quantization refuses them. */
-static void test_exported_not_quantized(void) {
+   Runtime in tests/test_export.c); quantization takes the Embedding in
+   dynamic range (float32 rows gathered: tests/test_quantize.c checks the
+   numbers), full integer and quantization-aware training refuse it. */
+static void test_exported_quantized(void) {
     mpt_model *m = language_model(ctx, MPT_POLICY_FLOAT32);
     char path[600];
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
@@ -734,7 +736,37 @@ static void test_exported_not_quantized(void) {
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 2, .activation = MPT_ACT_SOFTMAX});
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
     mpt_model_refresh_weights(m); /* as trained */
-    test_quantize_refused(ctx, m, "'embedding' (Embedding)");
+    {
+        static int32_t ids[4 * 3] = {0, 1, 2, 3, 3, 2, 1, 0, 2, 2, 0, 1};
+        mpt_model *q = NULL;
+        mpt_dataset *d = NULL;
+        mpt_tensor t, a, b;
+        mpt_tensor_wrap(ctx, &t, MPT_INT32, 2, (int64_t[]){4, 3}, ids);
+        CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &t}, &d) == MPT_OK, "dataset");
+        CHECK(mpt_model_quantize(m, NULL, &q) == MPT_OK && q, "quantize: %s",
+              mpt_context_error(ctx));
+        CHECK(q && mpt_model_predict(m, d, 4, &a) == MPT_OK &&
+                  mpt_model_predict(q, d, 4, &b) == MPT_OK,
+              "predict: %s", mpt_context_error(ctx));
+        if (q) {
+            int k;
+            for (k = 0; k < 4 * 2; k++)
+                CHECK(fabsf(((float *)a.data)[k] - ((float *)b.data)[k]) < 0.02f,
+                      "output %d: %g quantized, %g float", k, ((float *)b.data)[k],
+                      ((float *)a.data)[k]);
+            mpt_tensor_free(ctx, &a), mpt_tensor_free(ctx, &b);
+        }
+        mpt_model_destroy(q);
+        q = NULL;
+        test_expect_error(ctx, mpt_model_quantize(m, &(mpt_quantize_desc){
+                              .mode = MPT_QUANTIZE_FULL_INTEGER, .representative_data = d}, &q),
+                          MPT_ERR_UNSUPPORTED, "'embedding' (Embedding) has no full-integer",
+                          "quantize full integer");
+        CHECK(q == NULL, "quantize gave a model");
+        mpt_dataset_destroy(d);
+    }
+    test_expect_error(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                      "'embedding' (Embedding)", "quantize_aware");
     mpt_model_destroy(m);
 }
 
@@ -781,7 +813,7 @@ static void cases(void) {
     TEST_RUN(test_npy_ids);
     TEST_RUN(test_model_file);
     TEST_RUN(test_summary_rows);
-    TEST_RUN(test_exported_not_quantized);
+    TEST_RUN(test_exported_quantized);
     test_threads_bit_identical();
     TEST_RUN(test_learns_pattern);
     TEST_RUN(test_mirrored);

@@ -1168,51 +1168,90 @@ static void test_unsupported_layer(void) {
     mpt_context_destroy(q);
 }
 
-/* The token model, or ids through an Embedding in a chain, has no
-   quantized form: mpt_model_quantize refuses it in every mode (the token
-   model as a graph; the chain naming its Embedding), so no quantized model
-   with one can reach the export; quantization-aware training refuses them
-   too. The float export still takes them. */
-static void test_tokens_not_quantized(void) {
+/* The token model, the attention model, and ids through an Embedding in
+   a chain quantize in dynamic range and float16 (@quantize: the
+   embeddings, LayerNormalization and the attention float32, every product
+   quantized), their predictions near the float model's; the files have no
+   form for them yet: both exports refuse the quantized model naming its
+   Embedding's GATHER, and write nothing. Full integer and
+   quantization-aware training refuse them, naming the Embedding. The
+   float export still takes them. */
+static void test_tokens_quantized(void) {
     static const mpt_quantize_mode modes[3] = {MPT_QUANTIZE_DYNAMIC_RANGE, MPT_QUANTIZE_FLOAT16,
                                                MPT_QUANTIZE_FULL_INTEGER};
+    static const double bound[2] = {0.05, 0.01}; /* dynamic, float16: probabilities */
     mpt_context *q = quiet_ctx();
     mpt_dataset *data = NULL;
     mpt_tensor tx;
     char p[256];
     int chain, k;
-    memset(ids_host, 0, sizeof ids_host);
+    int64_t i;
+    test_seed(1085);
+    for (i = 0; i < N_SAMPLES * TOKEN_T; i++) ids_host[i] = test_randint(0, TOKEN_V - 1);
     mpt_tensor_wrap(q, &tx, MPT_INT32, 2, (int64_t[]){N_SAMPLES, TOKEN_T}, ids_host);
     CHECK(mpt_dataset_create(q, &(mpt_dataset_desc){.x = &tx}, &data) == MPT_OK, "dataset: %s",
           mpt_context_error(q));
-    for (chain = 0; chain < 2; chain++) {
+    for (chain = 0; chain < 3; chain++) {
         mpt_model *m = NULL, *qm = NULL;
+        mpt_tensor want;
         CHECK(mpt_model_create(q,
                                &(mpt_model_desc){.input_shape = {TOKEN_T},
                                                  .input_rank = 1,
                                                  .input_dtype = MPT_INT32},
                                &m) == MPT_OK,
               "create: %s", mpt_context_error(q));
-        if (chain) {
+        if (chain == 1) {
             mpt_model_add_embedding(
                 m, &(mpt_embedding_desc){.name = "tokens", .input_dim = TOKEN_V, .output_dim = 4});
             mpt_model_add_flatten(m, NULL);
             add_dense(m, 5, MPT_ACT_SOFTMAX);
+        } else if (chain == 2) {
+            add_attention(m);
         } else {
             add_tokens(m);
         }
         CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(q));
         randomize(m); /* weights of its own: quantize refuses initial ones first */
+        CHECK(mpt_model_predict(m, data, 0, &want) == MPT_OK, "predict: %s", mpt_context_error(q));
         for (k = 0; k < 3; k++) {
             mpt_status s = mpt_model_quantize(
                 m, &(mpt_quantize_desc){.mode = modes[k], .representative_data = data}, &qm);
-            CHECK(s == MPT_ERR_UNSUPPORTED && !qm, "quantize mode %d: status %d: %s", (int)modes[k],
-                  (int)s, mpt_context_error(q));
-            CHECK(!chain || strstr(mpt_context_error(q), "'tokens' (Embedding)"),
-                  "the message names the layer: %s", mpt_context_error(q));
+            if (modes[k] == MPT_QUANTIZE_FULL_INTEGER) {
+                CHECK(s == MPT_ERR_UNSUPPORTED && !qm, "full integer: status %d: %s", (int)s,
+                      mpt_context_error(q));
+                CHECK(strstr(mpt_context_error(q), chain == 1 ? "'tokens' (Embedding) has no "
+                                                               "full-integer form"
+                                                             : "(Embedding) has no full-integer"),
+                      "the message names the layer: %s", mpt_context_error(q));
+            } else {
+                mpt_tensor got;
+                double worst = 0;
+                FILE *f;
+                CHECK(s == MPT_OK && qm, "chain %d mode %d: %s", chain, (int)modes[k],
+                      mpt_context_error(q));
+                CHECK(qm && mpt_model_predict(qm, data, 0, &got) == MPT_OK, "predict: %s",
+                      mpt_context_error(q));
+                for (i = 0; qm && i < mpt_tensor_count(&want); i++)
+                    worst = fmax(worst, fabs(((float *)want.data)[i] - ((float *)got.data)[i]));
+                CHECK(worst <= bound[k], "chain %d mode %d: predictions differ by %g (bound %g)",
+                      chain, (int)modes[k], worst, bound[k]);
+                if (qm) mpt_tensor_free(q, &got);
+                test_expect_error(q, mpt_model_export_onnx(qm, path_of(p, "refused_q.onnx"), NULL),
+                                  MPT_ERR_UNSUPPORTED, "(GATHER) has no form", "export onnx");
+                test_expect_error(q, mpt_model_export_tflite(qm, path_of(p, "refused_q.tflite"),
+                                                             NULL),
+                                  MPT_ERR_UNSUPPORTED, "(GATHER) has no form", "export tflite");
+                f = fopen(path_of(p, "refused_q.onnx"), "rb");
+                CHECK(!f, "a refused onnx export left a file");
+                if (f) fclose(f);
+                f = fopen(path_of(p, "refused_q.tflite"), "rb");
+                CHECK(!f, "a refused tflite export left a file");
+                if (f) fclose(f);
+            }
             mpt_model_destroy(qm);
             qm = NULL;
         }
+        mpt_tensor_free(q, &want);
         CHECK(mpt_model_quantize_aware(m, NULL) != MPT_OK, "quantization-aware training took it");
         CHECK(mpt_model_export_onnx(m, path_of(p, "refused_quantized.onnx"), NULL) == MPT_OK &&
                   mpt_model_export_tflite(m, path_of(p, "refused_quantized.tflite"), NULL) ==
@@ -2180,7 +2219,7 @@ int main(void) {
     check_quantization_aware(0);
     check_quantization_aware(1);
     TEST_RUN(test_unsupported_layer);
-    TEST_RUN(test_tokens_not_quantized);
+    TEST_RUN(test_tokens_quantized);
     TEST_RUN(test_positions_unbatched);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_quantized_weight_dtype);

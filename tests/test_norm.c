@@ -1260,7 +1260,7 @@ static void test_ln_trains_mixed_float16(void) {
    quantization, post-training and aware, refuses the layer by name. */
 static void test_ln_refusals(void) {
     mpt_context *q = quiet_ctx();
-    mpt_model *m = NULL;
+    mpt_model *m = NULL, *qm = NULL;
     int before = count_errors;
     mpt_node x;
     CHECK(mpt_model_create(q, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &m) ==
@@ -1291,15 +1291,35 @@ static void test_ln_refusals(void) {
     CHECK(count_errors - before == 6, "%d errors logged", count_errors - before);
     mpt_model_destroy(m);
 
-    /* a well-made one: quantization refuses it by name (tests/test_export.c
-       exports it) */
+    /* a well-made one: quantized in dynamic range (float32, the float
+       model's own function: tests/test_quantize.c checks its bits), full
+       integer and quantization-aware training refuse it by name
+       (tests/test_export.c exports it) */
     m = NULL;
     mpt_model_create(q, &(mpt_model_desc){.input_shape = {6}, .input_rank = 1}, &m);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4});
     mpt_model_add_layer_normalization(m, &(mpt_layer_normalization_desc){.name = "ln"});
     CHECK(mpt_model_build(m, 2) == MPT_OK, "build: %s", mpt_context_error(q));
     mpt_model_refresh_weights(m); /* its weights count as given: quantize takes them */
-    test_quantize_refused(q, m, "layer 'ln' (LayerNormalization)");
+    CHECK(mpt_model_quantize(m, NULL, &qm) == MPT_OK && qm, "quantize: %s",
+          mpt_context_error(q));
+    mpt_model_destroy(qm);
+    qm = NULL;
+    {
+        static float samples[2 * 6] = {1, 2, 3, 4, 5, 6, -1, 0, 1, 0, -1, 2};
+        mpt_tensor t;
+        mpt_dataset *d = NULL;
+        mpt_tensor_wrap(q, &t, MPT_FLOAT32, 2, (int64_t[]){2, 6}, samples);
+        CHECK(mpt_dataset_create(q, &(mpt_dataset_desc){.x = &t}, &d) == MPT_OK, "dataset");
+        test_expect_error(q, mpt_model_quantize(m, &(mpt_quantize_desc){
+                              .mode = MPT_QUANTIZE_FULL_INTEGER, .representative_data = d}, &qm),
+                          MPT_ERR_UNSUPPORTED,
+                          "layer 'ln' (LayerNormalization) has no full-integer form", "quantize");
+        CHECK(qm == NULL, "a quantized model was made");
+        mpt_dataset_destroy(d);
+    }
+    test_expect_error(q, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                      "layer 'ln' (LayerNormalization)", "quantize_aware");
     mpt_model_destroy(m);
     mpt_context_destroy(q);
 }

@@ -953,6 +953,275 @@ static void test_graph_predict_modes(void) {
     }
 }
 
+/* ---- Dense over the last axis of a sequence ------------------------------------------------- */
+
+enum { SEQ_T = 6, SEQ_D = 8, SEQ_N = 40 };
+
+/* (shape) -> Dense(16, relu) -> Dense(12, gelu) -> Dense(CLASSES, softmax),
+   shape (SEQ_T, SEQ_D) or one position's (SEQ_D). */
+static mpt_model *dense_stack(mpt_context *ctx, int sequence) {
+    mpt_model *m = NULL;
+    mpt_model_desc md = {.input_shape = {sequence ? SEQ_T : SEQ_D, SEQ_D},
+                         .input_rank = sequence ? 2 : 1, .seed = 3};
+    if (!sequence) md.input_shape[1] = 0;
+    CHECK(mpt_model_create(ctx, &md, &m) == MPT_OK, "create");
+    if (!m) return NULL;
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 16, .activation = MPT_ACT_RELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 12, .activation = MPT_ACT_GELU});
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* A Dense over a sequence quantizes in every mode, each position a row of
+   the product: its predictions are, bit for bit, those of the same
+   weights applied to the positions as samples of their own (the dynamic
+   mode's scale per row is per position; full integer calibrates the same
+   values), and within the modes' bounds of the float model's. */
+static void test_dense_over_sequence(void) {
+    static const double bound[3] = {0.05, 0.1, 1e-4}; /* dynamic, full integer, float16 */
+    static float x[SEQ_N * SEQ_T * SEQ_D];
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *seq = dense_stack(ctx, 1), *rows = dense_stack(ctx, 0);
+    mpt_dataset *dseq = NULL, *drows = NULL;
+    mpt_tensor tx, a;
+    int i, n = seq ? mpt_model_param_count(seq) : 0, mode;
+    int64_t k;
+    if (!seq || !rows) return;
+    test_seed(61);
+    for (k = 0; k < SEQ_N * SEQ_T * SEQ_D; k++) x[k] = (float)test_uniform(-1.0, 1.0);
+    randomize(seq, 610);
+    round_weights_to_half(ctx, seq);
+    for (i = 0; i < n; i++) {
+        mpt_param_info p, r;
+        mpt_model_param(seq, i, &p);
+        mpt_model_param(rows, i, &r);
+        memcpy(r.value.data, p.value.data, sizeof(float) * (size_t)mpt_tensor_count(&p.value));
+    }
+    mpt_model_refresh_weights(rows);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 3, (int64_t[]){SEQ_N, SEQ_T, SEQ_D}, x);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx}, &dseq) == MPT_OK, "dataset");
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 2, (int64_t[]){SEQ_N * SEQ_T, SEQ_D}, x);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx}, &drows) == MPT_OK, "dataset");
+    CHECK(mpt_model_predict(seq, dseq, 16, &a) == MPT_OK, "predict float");
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *qs = quantize(seq, (mpt_quantize_mode)mode, dseq, MPT_DTYPE_DEFAULT);
+        mpt_model *qr = quantize(rows, (mpt_quantize_mode)mode, drows, MPT_DTYPE_DEFAULT);
+        mpt_tensor bs, br;
+        double worst = 0;
+        memset(&bs, 0, sizeof bs);
+        memset(&br, 0, sizeof br);
+        CHECK(qs && mpt_model_predict(qs, dseq, 16, &bs) == MPT_OK, "mode %d: predict: %s", mode,
+              mpt_context_error(ctx));
+        CHECK(qr && mpt_model_predict(qr, drows, 16 * SEQ_T, &br) == MPT_OK, "mode %d: rows",
+              mode);
+        CHECK(bs.data && bs.rank == 3 && bs.shape[1] == SEQ_T && bs.shape[2] == CLASSES,
+              "mode %d: output shape", mode);
+        for (k = 0; bs.data && k < SEQ_N * SEQ_T * CLASSES; k++)
+            worst = fmax(worst, fabs(((float *)a.data)[k] - ((float *)bs.data)[k]));
+        CHECK(bs.data && br.data &&
+                  !memcmp(bs.data, br.data, sizeof(float) * SEQ_N * SEQ_T * CLASSES),
+              "mode %d: the sequence's positions differ from the same rows as samples", mode);
+        CHECK(bs.data && worst <= bound[mode] && (worst > 0 || mode == MPT_QUANTIZE_FLOAT16),
+              "mode %d: outputs differ by %g "
+              "(bound %g)", mode, worst, bound[mode]);
+        if (getenv("MPT_TEST_VERBOSE")) printf("  mode %d: worst %g\n", mode, worst);
+        mpt_tensor_free(ctx, &bs);
+        mpt_tensor_free(ctx, &br);
+        mpt_model_destroy(qs);
+        mpt_model_destroy(qr);
+    }
+    mpt_tensor_free(ctx, &a);
+    mpt_dataset_destroy(dseq);
+    mpt_dataset_destroy(drows);
+    mpt_model_destroy(seq);
+    mpt_model_destroy(rows);
+    mpt_context_destroy(ctx);
+}
+
+/* ---- a small GPT: Embedding, PositionEmbedding, LayerNormalization, attention -------------- */
+
+enum { GPT_T = 8, GPT_V = 16, GPT_D = 16, GPT_N = 24 };
+
+static mpt_node gpt_residual(mpt_model *m, mpt_node x, mpt_node branch) {
+    mpt_node both[2] = {x, branch};
+    return mpt_add(m, 2, both, NULL);
+}
+
+/* ids (GPT_T) -> Embedding + PositionEmbedding -> one pre-LayerNormalization
+   block (causal attention of 2 heads, a GELU MLP) -> LayerNormalization ->
+   Dense(GPT_V, softmax), examples/gpt.c's shape; blocks 0: the
+   embeddings and a LayerNormalization alone (no product). */
+static mpt_model *small_gpt(mpt_context *ctx, int blocks, unsigned long long seed) {
+    mpt_model *m = NULL;
+    mpt_node tok, x, h;
+    int b;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {GPT_T}, .input_rank = 1,
+                                                  .input_dtype = MPT_INT32, .seed = 5},
+                           &m) == MPT_OK, "create");
+    if (!m) return NULL;
+    tok = mpt_embedding(m, mpt_model_input(m), &(mpt_embedding_desc){
+        .input_dim = GPT_V, .output_dim = GPT_D, .name = "tokens"});
+    x = gpt_residual(m, tok, mpt_position_embedding(m, tok, &(mpt_position_embedding_desc){
+        .sequence_length = GPT_T}));
+    for (b = 0; b < blocks; b++) {
+        h = mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){.epsilon = 1e-5f});
+        h = mpt_multi_head_attention(m, h, h, &(mpt_multi_head_attention_desc){
+            .num_heads = 2, .key_dim = GPT_D / 2, .use_causal_mask = 1, .name = "attention"});
+        x = gpt_residual(m, x, h);
+        h = mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){.epsilon = 1e-5f});
+        h = mpt_dense(m, h, &(mpt_dense_desc){.units = 2 * GPT_D, .activation = MPT_ACT_GELU});
+        x = gpt_residual(m, x, mpt_dense(m, h, &(mpt_dense_desc){.units = GPT_D}));
+    }
+    x = mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){.epsilon = 1e-5f});
+    if (blocks) mpt_dense(m, x, &(mpt_dense_desc){.units = GPT_V, .activation = MPT_ACT_SOFTMAX});
+    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    randomize(m, seed);
+    return m;
+}
+
+static mpt_dataset *ids_dataset(mpt_context *ctx, int32_t *ids, int64_t n) {
+    mpt_tensor t;
+    mpt_dataset *d = NULL;
+    mpt_tensor_wrap(ctx, &t, MPT_INT32, 2, (int64_t[]){n, GPT_T}, ids);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &t}, &d) == MPT_OK, "dataset: %s",
+          mpt_context_error(ctx));
+    return d;
+}
+
+/* The largest difference between the float model's predictions and q's. */
+static double predict_difference(mpt_context *ctx, mpt_model *m, mpt_model *q,
+                                 const mpt_dataset *d, int *same_bits) {
+    mpt_tensor a, b;
+    double worst = 0;
+    int64_t k, count;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    CHECK(mpt_model_predict(m, d, 10, &a) == MPT_OK, "predict float");
+    CHECK(q && mpt_model_predict(q, d, 10, &b) == MPT_OK, "predict quantized: %s",
+          mpt_context_error(ctx));
+    count = a.data && b.data ? mpt_tensor_count(&a) : 0;
+    CHECK(!b.data || mpt_tensor_count(&b) == mpt_tensor_count(&a), "output shape");
+    for (k = 0; k < count; k++)
+        worst = fmax(worst, fabs(((float *)a.data)[k] - ((float *)b.data)[k]));
+    *same_bits = count > 0 && !memcmp(a.data, b.data, sizeof(float) * (size_t)count);
+    mpt_tensor_free(ctx, &a);
+    mpt_tensor_free(ctx, &b);
+    return worst;
+}
+
+/* The embeddings and LayerNormalization are the float model's own
+   arithmetic: bit for bit its predictions, in both float modes. A GPT
+   block quantizes in dynamic range (every Dense and the attention's four
+   projections int8) within 0.02 of the float model's probabilities, and
+   in float16 (weights that float16 holds exactly) within 1e-5 (on a CPU
+   with AVX-512, where the activations are the float model's, 0). */
+static void test_small_gpt(void) {
+    static int32_t ids[GPT_N * GPT_T];
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *plain = small_gpt(ctx, 0, 620), *gpt = small_gpt(ctx, 1, 621);
+    mpt_dataset *d;
+    int64_t k;
+    int mode, same;
+    test_seed(62);
+    for (k = 0; k < GPT_N * GPT_T; k++) ids[k] = test_randint(0, GPT_V - 1);
+    d = ids_dataset(ctx, ids, GPT_N);
+    if (!plain || !gpt || !d) return;
+    round_weights_to_half(ctx, gpt);
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *q;
+        double worst;
+        if (mode == MPT_QUANTIZE_FULL_INTEGER) continue; /* test_small_gpt_refusals */
+        q = quantize(plain, (mpt_quantize_mode)mode, NULL, MPT_DTYPE_DEFAULT);
+        worst = predict_difference(ctx, plain, q, d, &same);
+        CHECK(same, "mode %d: the embeddings and LayerNormalization differ from the float "
+              "model's by %g", mode, worst);
+        mpt_model_destroy(q);
+        q = quantize(gpt, (mpt_quantize_mode)mode, NULL, MPT_DTYPE_DEFAULT);
+        worst = predict_difference(ctx, gpt, q, d, &same);
+        CHECK(mode == MPT_QUANTIZE_DYNAMIC_RANGE ? worst > 0 && worst <= 0.02 : worst <= 1e-5,
+              "mode %d: a GPT block differs from the float model's by %g", mode, worst);
+        if (getenv("MPT_TEST_VERBOSE")) printf("  gpt mode %d: worst %g\n", mode, worst);
+        if (q && mode == MPT_QUANTIZE_DYNAMIC_RANGE) {
+            mpt_quantized_layer L;
+            int i, projections = 0, attention = 0, info_n;
+            mpt_quantized_info info;
+            CHECK(mpt_model_quantized_info(q, &info) == MPT_OK, "info");
+            info_n = info.n_layers;
+            for (i = 0; i < info_n; i++) {
+                CHECK(mpt_model_quantized_layer(q, i, &L) == MPT_OK, "layer %d", i);
+                projections += L.op == MPT_QOP_FULLY_CONNECTED && !strncmp(L.name, "attention/", 10) && L.weights != NULL;
+                attention += L.op == MPT_QOP_ATTENTION && L.n_inputs == 3 && L.heads == 2 && L.causal;
+            }
+            CHECK(projections == 4 && attention == 1, "%d int8 projections, %d attentions",
+                  projections, attention);
+        }
+        mpt_model_destroy(q);
+    }
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(plain);
+    mpt_model_destroy(gpt);
+    mpt_context_destroy(ctx);
+}
+
+/* What the quantized GPT does not do is refused, naming the layer: full
+   integer, quantization-aware training, the quantized files; an id
+   outside the table is refused by predict, as the float model refuses it. */
+static void test_small_gpt_refusals(void) {
+    static int32_t ids[GPT_N * GPT_T];
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *gpt = small_gpt(ctx, 1, 622), *q = NULL;
+    mpt_dataset *d = ids_dataset(ctx, ids, GPT_N);
+    mpt_tensor t;
+    FILE *f;
+    if (!gpt || !d) return;
+    test_expect_error(ctx, mpt_model_quantize(gpt, &(mpt_quantize_desc){
+                          .mode = MPT_QUANTIZE_FULL_INTEGER, .representative_data = d}, &q),
+                      MPT_ERR_UNSUPPORTED, "layer 'tokens' (Embedding) has no full-integer form",
+                      "full integer");
+    CHECK(!q, "a full-integer model came back");
+    q = quantize(gpt, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
+    if (q) {
+        test_expect_error(ctx, mpt_model_export_tflite(q, "unwritten.tflite", NULL),
+                          MPT_ERR_UNSUPPORTED, "'tokens' (GATHER)", "export tflite");
+        test_expect_error(ctx, mpt_model_export_onnx(q, "unwritten.onnx", NULL),
+                          MPT_ERR_UNSUPPORTED, "'tokens' (GATHER)", "export onnx");
+        f = fopen("unwritten.tflite", "rb");
+        CHECK(!f, "a refused export left a file");
+        if (f) fclose(f);
+        f = fopen("unwritten.onnx", "rb");
+        CHECK(!f, "a refused export left a file");
+        if (f) fclose(f);
+        { /* invoke takes the ids as predict does, and refuses floats */
+            mpt_tensor x, y, p;
+            float floats[GPT_T];
+            memset(&y, 0, sizeof y);
+            memset(&p, 0, sizeof p);
+            mpt_tensor_wrap(ctx, &x, MPT_INT32, 2, (int64_t[]){GPT_N, GPT_T}, ids);
+            CHECK(mpt_model_quantized_invoke(q, &x, &y) == MPT_OK &&
+                      mpt_model_predict(q, d, 7, &p) == MPT_OK &&
+                      !memcmp(y.data, p.data, sizeof(float) * GPT_N * GPT_T * GPT_V),
+                  "invoke differs from predict: %s", mpt_context_error(ctx));
+            mpt_tensor_free(ctx, &y);
+            mpt_tensor_free(ctx, &p);
+            memset(floats, 0, sizeof floats);
+            mpt_tensor_wrap(ctx, &x, MPT_FLOAT32, 2, (int64_t[]){1, GPT_T}, floats);
+            test_expect_error(ctx, mpt_model_quantized_invoke(q, &x, &y), MPT_ERR_DTYPE,
+                              "input dtype float32, but the model takes int32", "invoke");
+        }
+        ids[5] = GPT_V;
+        test_expect_error(ctx, mpt_model_predict(q, d, 10, &t), MPT_ERR_INVALID_ARGUMENT,
+                          "Embedding 'tokens' got id 16 (sample 0, position 5)", "bad id");
+        ids[5] = 0;
+    }
+    mpt_model_destroy(q);
+    test_expect_error(ctx, mpt_model_quantize_aware(gpt, NULL), MPT_ERR_UNSUPPORTED,
+                      "layer 'tokens' (Embedding) has no full-integer form", "quantize_aware");
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(gpt);
+    mpt_context_destroy(ctx);
+}
+
 /* A model whose output is its input (a Dropout alone: nothing runs at
    inference) has no operation to quantize or to write: refused, saying
    so, with no model made. */
@@ -1133,6 +1402,41 @@ static void test_bit_exact_across_threads(void) {
                 mpt_context_destroy(ctx);
             }
         }
+}
+
+/* The small GPT's dynamic-range and float16 predictions (its row
+   quantization, LayerNormalization, attention) are the same bits on 1, 2
+   and 3 threads. */
+static void test_small_gpt_across_threads(void) {
+    static int32_t ids[GPT_N * GPT_T];
+    int mode, threads;
+    int64_t k;
+    test_seed(64);
+    for (k = 0; k < GPT_N * GPT_T; k++) ids[k] = test_randint(0, GPT_V - 1);
+    for (mode = 0; mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_tensor first;
+        if (mode == MPT_QUANTIZE_FULL_INTEGER) continue;
+        memset(&first, 0, sizeof first);
+        for (threads = 1; threads <= 3; threads++) {
+            mpt_context *ctx = threads_ctx(threads);
+            mpt_model *m = small_gpt(ctx, 1, 623);
+            mpt_dataset *d = ids_dataset(ctx, ids, GPT_N);
+            mpt_model *q = m ? quantize(m, (mpt_quantize_mode)mode, NULL, MPT_DTYPE_DEFAULT) : NULL;
+            mpt_tensor out;
+            memset(&out, 0, sizeof out);
+            CHECK(q && mpt_model_predict(q, d, 10, &out) == MPT_OK, "predict");
+            if (threads == 1) first = out;
+            else
+                CHECK(out.data && first.data && !memcmp(out.data, first.data, mpt_tensor_bytes(&out)),
+                      "mode %d: %d threads differ from 1", mode, threads);
+            if (threads > 1) mpt_tensor_free(ctx, &out);
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            if (threads == 3) mpt_tensor_free(ctx, &first);
+            mpt_context_destroy(ctx);
+        }
+    }
 }
 
 /* ---- calibration -------------------------------------------------------------------------- */
@@ -1458,6 +1762,44 @@ static void test_quantize_input_lanes(void) {
                 CHECK(off == 0, "scale %g, zero point %d, avx512 %d: %d of %d values differ",
                       (double)p.scale, p.zero_point, avx512, off, COUNT);
             }
+    mpt_context_destroy(ctx);
+}
+
+/* The dynamic products' rows quantized with AVX-512 (where the CPU has
+   it) against the C loop: the same codes and scales, bit for bit, on rows
+   of every length from 1 to 40 and of 256, with ties (127·k/2 of a row
+   whose largest is 127), zeros, a row of zeros, and rows holding inf or
+   NaN (left to the C loop). */
+static void test_symmetric_rows_lanes(void) {
+    enum { ROWS = 12, MAXC = 256 };
+    static float x[ROWS * MAXC];
+    static int8_t q[2][ROWS * MAXC];
+    static float scale[2][ROWS];
+    mpt_context *ctx = quiet_ctx();
+    int64_t length, cols, k;
+    int v, off = 0;
+    test_seed(63);
+    for (length = 1; length <= 41; length++) {
+        cols = length <= 40 ? length : MAXC;
+        for (k = 0; k < ROWS * cols; k++) x[k] = (float)test_uniform(-3.0, 3.0);
+        for (k = 0; k < cols; k++) x[k] = k == 0 ? 127.0f : (float)(k % 255 - 127) * 0.5f; /* ties */
+        for (k = 0; k < cols; k++) x[cols + k] = 0.0f;
+        if (cols > 2) x[2 * cols + 1] = INFINITY, x[3 * cols + 2] = NAN, x[4 * cols] = -INFINITY;
+        for (v = 0; v < 2; v++) {
+            mpt__qrows_job j;
+            memset(&j, 0, sizeof j);
+            memset(q[v], 0x5a, sizeof q[v]);
+            j.rows = ROWS, j.cols = cols, j.x = x, j.q = q[v], j.scale = scale[v];
+            j.avx512 = v && (mpt_context_cpu_features(ctx) & MPT_CPU_AVX512) != 0;
+            mpt__q_quantize_rows_task(&j, 0, 0);
+            mpt__q_quantize_rows_task(&j, 1, 0);
+        }
+        off += memcmp(q[0], q[1], (size_t)(ROWS * cols)) != 0 ||
+               memcmp(scale[0], scale[1], sizeof scale[0]) != 0;
+        CHECK(q[0][0] == 127 && (cols < 3 || q[0][2] == -63), /* −62.5: away from zero */
+              "cols %lld: the ties", (long long)cols);
+    }
+    CHECK(off == 0, "%d row lengths quantize differently with AVX-512", off);
     mpt_context_destroy(ctx);
 }
 
@@ -2662,6 +3004,7 @@ int main(void) {
     TEST_RUN(test_allocation_failures);
     TEST_RUN(test_weights_packed_once);
     TEST_RUN(test_quantize_input_lanes);
+    TEST_RUN(test_symmetric_rows_lanes);
     TEST_RUN(test_byte_table_lanes);
     TEST_RUN(test_uint8_samples_as_float32);
     TEST_RUN(test_binary_accuracy);
@@ -2673,5 +3016,9 @@ int main(void) {
     TEST_RUN(test_graph_merge_scalar_reference);
     TEST_RUN(test_graph_predict_modes);
     TEST_RUN(test_nothing_to_quantize);
+    TEST_RUN(test_dense_over_sequence);
+    TEST_RUN(test_small_gpt);
+    TEST_RUN(test_small_gpt_refusals);
+    TEST_RUN(test_small_gpt_across_threads);
     return test_summary("test_quantize");
 }

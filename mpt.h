@@ -370,7 +370,12 @@
                           plan, mpt_qgemm
        @impl-quantize     the quantized model's operations from the float
                           layers (a graph's: each reading its inputs' tensors),
-                          BatchNormalization folded; where each tensor lives
+                          BatchNormalization folded (or a MUL and an ADD by
+                          its constants); where each tensor lives; the
+                          batch's work block
+       @impl-quantize-transformer  Embedding, PositionEmbedding,
+                          LayerNormalization, MultiHeadAttention as float32
+                          operations; the attention's int8 projections
        @impl-quantized-passes  a batch through them: float32, float16,
                           dynamic-range, int8; a graph's merges and padding
        @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
@@ -32426,7 +32431,67 @@ static void mpt__q_append_pad(mpt__quantized *Q, const mpt__layer *L, int in_t) 
     mpt__zero_padding2d_sides(L, op->info.pads);
 }
 
-/* ---- a transformer's layers: float32 operations and int8 projections ------------------- */
+/* ---- the batch's work block ------------------------------------------------------------- */
+
+static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, int64_t batch,
+                                   mpt__qwork *w) {
+    int64_t per = 0, act, cols, total = 0;
+    int k;
+    memset(w, 0, sizeof *w);
+    w->batch = batch;
+    cols = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
+    if (!mpt__mul_ok(batch, Q->max_count, &per) || !mpt__mul_ok(per, 4, &act) ||
+        !mpt__mul_ok(act, 4 + Q->n_slots, &total) ||
+        !mpt__add_ok(total, cols + 8 * 64 + 8 * (int64_t)Q->n_slots + 64 * Q->n_slots, &total) ||
+        (uint64_t)total > (uint64_t)SIZE_MAX)
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "quantized model: batches of %lld samples are "
+                         "too large", (long long)batch);
+    w->block = mpt__alloc(ctx, (size_t)total);
+    if (!w->block)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantized model: cannot allocate %lld bytes "
+                         "for a batch of %lld", (long long)total, (long long)batch);
+    {
+        unsigned char *p = (unsigned char *)w->block;
+#define MPT__Q_CARVE(dst, type, bytes) (dst = (type)(void *)p, p += ((bytes) + 63) / 64 * 64)
+        MPT__Q_CARVE(w->act, void **, sizeof(void *) * (size_t)Q->n_slots);
+        for (k = 0; k < Q->n_slots; k++) MPT__Q_CARVE(w->act[k], void *, act);
+        MPT__Q_CARVE(w->acc, int32_t *, act);
+        MPT__Q_CARVE(w->xq, int8_t *, act);
+        MPT__Q_CARVE(w->row_scale, float *, act);
+        MPT__Q_CARVE(w->sample_scale, float *, 4 * batch);
+        MPT__Q_CARVE(w->cols, void *, cols);
+#undef MPT__Q_CARVE
+    }
+    return MPT_OK;
+}
+
+/* Q's scratch for batches of up to `batch` samples: the block of the last
+   predict, evaluate or invoke when it is large enough, else a new one that
+   replaces it. A fresh block of tens of MB costs its page faults again on
+   every call, which on a batch of small images took a tenth of predict's
+   time. (A model is used on one thread at a time, as its context is.) */
+static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t batch,
+                                   mpt__qwork **w) {
+    if (!Q->work.block || Q->work.batch < batch) {
+        mpt__qwork fresh;
+        MPT__CHECK(mpt__qwork_alloc(ctx, Q, batch, &fresh));
+        mpt__free(ctx, Q->work.block);
+        Q->work = fresh;
+    }
+    *w = &Q->work;
+    return MPT_OK;
+}
+
+
+/* =============================================================================
+   @impl-quantize-transformer  a transformer's layers in the quantized model
+   =============================================================================
+
+   Embedding, PositionEmbedding, LayerNormalization and MultiHeadAttention
+   become float32 operations computed by the float layers' own CPU
+   functions (so their outputs are the float model's), and the attention's
+   four projections products like a Dense's, int8 in dynamic range. Full
+   integer, quantization-aware training and export refuse them by name. */
 
 /* A parameter's float32 values into a new array *dst, checked finite
    (NULL P: *dst stays NULL). */
@@ -32728,56 +32793,6 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
     return MPT_OK;
 }
 
-/* ---- the batch's work block ------------------------------------------------------------- */
-
-static mpt_status mpt__qwork_alloc(mpt_context *ctx, const mpt__quantized *Q, int64_t batch,
-                                   mpt__qwork *w) {
-    int64_t per = 0, act, cols, total = 0;
-    int k;
-    memset(w, 0, sizeof *w);
-    w->batch = batch;
-    cols = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
-    if (!mpt__mul_ok(batch, Q->max_count, &per) || !mpt__mul_ok(per, 4, &act) ||
-        !mpt__mul_ok(act, 4 + Q->n_slots, &total) ||
-        !mpt__add_ok(total, cols + 8 * 64 + 8 * (int64_t)Q->n_slots + 64 * Q->n_slots, &total) ||
-        (uint64_t)total > (uint64_t)SIZE_MAX)
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "quantized model: batches of %lld samples are "
-                         "too large", (long long)batch);
-    w->block = mpt__alloc(ctx, (size_t)total);
-    if (!w->block)
-        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantized model: cannot allocate %lld bytes "
-                         "for a batch of %lld", (long long)total, (long long)batch);
-    {
-        unsigned char *p = (unsigned char *)w->block;
-#define MPT__Q_CARVE(dst, type, bytes) (dst = (type)(void *)p, p += ((bytes) + 63) / 64 * 64)
-        MPT__Q_CARVE(w->act, void **, sizeof(void *) * (size_t)Q->n_slots);
-        for (k = 0; k < Q->n_slots; k++) MPT__Q_CARVE(w->act[k], void *, act);
-        MPT__Q_CARVE(w->acc, int32_t *, act);
-        MPT__Q_CARVE(w->xq, int8_t *, act);
-        MPT__Q_CARVE(w->row_scale, float *, act);
-        MPT__Q_CARVE(w->sample_scale, float *, 4 * batch);
-        MPT__Q_CARVE(w->cols, void *, cols);
-#undef MPT__Q_CARVE
-    }
-    return MPT_OK;
-}
-
-/* Q's scratch for batches of up to `batch` samples: the block of the last
-   predict, evaluate or invoke when it is large enough, else a new one that
-   replaces it. A fresh block of tens of MB costs its page faults again on
-   every call, which on a batch of small images took a tenth of predict's
-   time. (A model is used on one thread at a time, as its context is.) */
-static mpt_status mpt__qwork_reuse(mpt_context *ctx, mpt__quantized *Q, int64_t batch,
-                                   mpt__qwork **w) {
-    if (!Q->work.block || Q->work.batch < batch) {
-        mpt__qwork fresh;
-        MPT__CHECK(mpt__qwork_alloc(ctx, Q, batch, &fresh));
-        mpt__free(ctx, Q->work.block);
-        Q->work = fresh;
-    }
-    *w = &Q->work;
-    return MPT_OK;
-}
 
 /* =============================================================================
    @impl-quantized-passes  one batch through the operations, in each mode

@@ -1362,6 +1362,24 @@ static void test_layer_accessors_per_mode(void) {
 
 /* ---- bit for bit on every thread count -------------------------------------------------- */
 
+/* q's predictions of d in batches of `batch` on a context of `threads`
+   threads: on 1 thread they become *first (the caller frees it), on more
+   they must equal *first bit for bit. */
+static void predict_as_on_one_thread(mpt_context *ctx, mpt_model *q, mpt_dataset *d,
+                                     int64_t batch, int threads, mpt_tensor *first,
+                                     const char *what) {
+    mpt_tensor out;
+    memset(&out, 0, sizeof out);
+    CHECK(q && mpt_model_predict(q, d, batch, &out) == MPT_OK, "%s: predict", what);
+    if (threads == 1) {
+        *first = out;
+        return;
+    }
+    CHECK(out.data && first->data && !memcmp(out.data, first->data, mpt_tensor_bytes(&out)),
+          "%s: %d threads differ from 1", what, threads);
+    mpt_tensor_free(ctx, &out);
+}
+
 static mpt_context *threads_ctx(int threads) {
     mpt_context *ctx = NULL;
     mpt_context_desc d;
@@ -1386,15 +1404,9 @@ static void test_bit_exact_across_threads(void) {
                 mpt_model *m = make_model(ctx, kind, 400);
                 mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
                 mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
-                mpt_tensor out;
-                memset(&out, 0, sizeof out);
-                CHECK(q && mpt_model_predict(q, d, 40, &out) == MPT_OK, "predict");
-                if (threads == 1) first = out;
-                else
-                    CHECK(out.data && first.data &&
-                              !memcmp(out.data, first.data, mpt_tensor_bytes(&out)),
-                          "model %d mode %d: %d threads differ from 1", kind, mode, threads);
-                if (threads > 1) mpt_tensor_free(ctx, &out);
+                char what[64];
+                snprintf(what, sizeof what, "model %d mode %d", kind, mode);
+                predict_as_on_one_thread(ctx, q, d, 40, threads, &first, what);
                 mpt_model_destroy(q);
                 mpt_dataset_destroy(d);
                 mpt_model_destroy(m);
@@ -1422,14 +1434,9 @@ static void test_small_gpt_across_threads(void) {
             mpt_model *m = small_gpt(ctx, 1, 623);
             mpt_dataset *d = ids_dataset(ctx, ids, GPT_N);
             mpt_model *q = m ? quantize(m, (mpt_quantize_mode)mode, NULL, MPT_DTYPE_DEFAULT) : NULL;
-            mpt_tensor out;
-            memset(&out, 0, sizeof out);
-            CHECK(q && mpt_model_predict(q, d, 10, &out) == MPT_OK, "predict");
-            if (threads == 1) first = out;
-            else
-                CHECK(out.data && first.data && !memcmp(out.data, first.data, mpt_tensor_bytes(&out)),
-                      "mode %d: %d threads differ from 1", mode, threads);
-            if (threads > 1) mpt_tensor_free(ctx, &out);
+            char what[64];
+            snprintf(what, sizeof what, "small GPT mode %d", mode);
+            predict_as_on_one_thread(ctx, q, d, 10, threads, &first, what);
             mpt_model_destroy(q);
             mpt_dataset_destroy(d);
             mpt_model_destroy(m);

@@ -691,7 +691,8 @@ static void ref_multiplier(double real, int32_t *m, int *shift) {
 
 static int8_t ref_sat8(int32_t v) { return (int8_t)(v < -128 ? -128 : v > 127 ? 127 : v); }
 
-/* The int8 ADD, SUB and MUL of the merges graph on every pair of input
+/* The int8 ADD, SUB and MUL of the merges graph (their tables of every
+   pair of codes, which predict looks up) on every pair of input
    codes, and its CONCATENATIONs' requantized inputs on every code, bit for
    bit against TFLite's reference kernels written from their arithmetic:
    ADD/SUB ((a − za)·2^20 and (b − zb)·2^20 each times its multiplier of
@@ -723,6 +724,8 @@ static void test_graph_merge_scalar_reference(void) {
             const double twice = 2.0 * fmax(pa->scale, pb->scale);
             int32_t ma, mb, mo;
             int sa, sb, so;
+            CHECK(by_constant || op->pair_lut, "op %d: two inputs and no table of their codes",
+                  i); /* so the pairs below are what predict looks up */
             ref_multiplier(pa->scale / twice, &ma, &sa);
             ref_multiplier(pb->scale / twice, &mb, &sb);
             if (op->info.op == MPT_QOP_MUL)

@@ -538,6 +538,31 @@ static void graph_reference(mpt_context *ctx, mpt__quantized *R, float **ref, in
     }
 }
 
+/* The reference of m's quantization: its folded float32 operations (R),
+   their work block w and every tensor they give on the samples, ref[0]
+   the input and ref[i + 1] operation i's output (ref holds `room`). */
+static void reference_open(mpt_context *ctx, mpt_model *m, mpt__quantized *R, float **ref,
+                           int room, mpt__qwork *w) {
+    memset(R, 0, sizeof *R);
+    CHECK(mpt__q_build_ops(m, R) == MPT_OK, "ops");
+    CHECK(R->n_ops < room && mpt__q_plan(ctx, R, H * W * C) == MPT_OK, "plan");
+    CHECK(mpt__qwork_alloc(ctx, R, N_SAMPLES, w) == MPT_OK, "work");
+    ref[0] = sample_x;
+    graph_reference(ctx, R, ref, N_SAMPLES, w);
+}
+
+static void reference_close(mpt_context *ctx, mpt__quantized *R, float **ref, mpt__qwork *w) {
+    int i;
+    for (i = 0; i < R->n_ops; i++) {
+        free(ref[i + 1]);
+        mpt__qop_free(ctx, &R->ops[i]);
+    }
+    mpt__free(ctx, R->ops);
+    mpt__free(ctx, R->root);
+    mpt__free(ctx, R->slot);
+    mpt__free(ctx, w->block);
+}
+
 static void test_layers_within_steps(void) {
     int kind;
     make_samples(12);
@@ -554,27 +579,14 @@ static void test_layers_within_steps(void) {
         mpt__qwork w;
         float *ref[32];
         int i, checked = 0;
-        memset(&R, 0, sizeof R);
-        /* the reference: the folded float32 operations, every tensor kept */
-        CHECK(mpt__q_build_ops(m, &R) == MPT_OK, "ops");
-        CHECK(mpt__q_plan(ctx, &R, H * W * C) == MPT_OK, "plan");
-        CHECK(mpt__qwork_alloc(ctx, &R, N_SAMPLES, &w) == MPT_OK, "work");
-        ref[0] = sample_x;
-        graph_reference(ctx, &R, ref, N_SAMPLES, &w); /* a chain's too: each reads the one before */
+        reference_open(ctx, m, &R, ref, 32, &w); /* a chain's too: each reads the one before */
         for (i = 0; qi && qd && i < R.n_ops; i++) {
             check_integer_op(ctx, qi->quantized, i, ref, N_SAMPLES, &w);
             if (mpt__qop_weighted(&R.ops[i])) check_dynamic_op(ctx, qd->quantized, i, ref, N_SAMPLES, &w);
             checked++;
         }
         CHECK(checked == R.n_ops && checked > 0, "model %d: %d operations checked", kind, checked);
-        for (i = 0; i < R.n_ops; i++) {
-            free(ref[i + 1]);
-            mpt__qop_free(ctx, &R.ops[i]);
-        }
-        mpt__free(ctx, R.ops);
-        mpt__free(ctx, R.root);
-        mpt__free(ctx, R.slot);
-        mpt__free(ctx, w.block);
+        reference_close(ctx, &R, ref, &w);
         mpt_model_destroy(qi);
         mpt_model_destroy(qd);
         mpt_dataset_destroy(d);
@@ -607,12 +619,7 @@ static void test_graph_ops_within_steps(void) {
         float *ref[64];
         int i, merges = 0, ranges = 0;
         int64_t k;
-        memset(&R, 0, sizeof R);
-        CHECK(mpt__q_build_ops(m, &R) == MPT_OK, "ops");
-        CHECK(R.n_ops < 63 && mpt__q_plan(ctx, &R, H * W * C) == MPT_OK, "plan");
-        CHECK(mpt__qwork_alloc(ctx, &R, N_SAMPLES, &w) == MPT_OK, "work");
-        ref[0] = sample_x;
-        graph_reference(ctx, &R, ref, N_SAMPLES, &w);
+        reference_open(ctx, m, &R, ref, 64, &w);
         for (i = 0; qi && qd && i < R.n_ops; i++) {
             const mpt__qop *op = &qi->quantized->ops[i];
             check_integer_op(ctx, qi->quantized, i, ref, N_SAMPLES, &w);
@@ -646,14 +653,7 @@ static void test_graph_ops_within_steps(void) {
         CHECK(merges == (kind == MODEL_RESIDUAL ? 3 : kind == MODEL_MERGES ? 10 : 7) &&
                   ranges == merges - (kind == MODEL_RESIDUAL),
               "model %d: %d graph operations checked, %d ranges", kind, merges, ranges);
-        for (i = 0; i < R.n_ops; i++) {
-            free(ref[i + 1]);
-            mpt__qop_free(ctx, &R.ops[i]);
-        }
-        mpt__free(ctx, R.ops);
-        mpt__free(ctx, R.root);
-        mpt__free(ctx, R.slot);
-        mpt__free(ctx, w.block);
+        reference_close(ctx, &R, ref, &w);
         mpt_model_destroy(qi);
         mpt_model_destroy(qd);
         mpt_dataset_destroy(d);

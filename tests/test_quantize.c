@@ -524,7 +524,7 @@ static void graph_reference(mpt_context *ctx, mpt__quantized *R, float **ref, in
     int i, k;
     for (i = 0; i < R->n_ops; i++) {
         const mpt__qop *op = &R->ops[i];
-        const void *xs[MPT_MAX_MERGE_INPUTS];
+        const void *xs[MPT_MAX_MERGE_INPUTS] = {NULL}; /* n_inputs ≥ 1 set below */
         ref[i + 1] = (float *)malloc(sizeof(float) * (size_t)(n * op->out_count));
         for (k = 0; k < op->info.n_inputs; k++) xs[k] = ref[op->in_t[k]];
         if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, 0, xs[0], ref[i + 1], n);

@@ -252,17 +252,11 @@
      the engineering that makes it fast, then quantization and export,
      then the strategy and the backends. A function used above the place
      it is defined is declared where it is used ("Defined below, in ...").
-       @backend-shared    the rules both backends run: NaNs and bfloat16
-                          rounding, Philox, loss scaling, arithmetic rounded at
-                          every step, the loss's tally, r2_score's and AUC's
-                          sums, tested on the host (internal;
-                          MPT_BACKEND_SHARED compiles it alone, for mpt_cuda.cu)
-       @backend-shared-training  the learning-rate schedule, the
-                          optimizers' coefficients and updates, gradient
-                          accumulation, GELU (both forms) and the sigmoid, the
-                          losses' element terms, BatchNormalization's
-                          1/sqrt(var + eps) and LayerNormalization's steps
-                          (mpt__ln_*), attention's rules, int8 requantization
+       @backend-shared    the rules both backends run (internal; with the two
+                          parts below, what MPT_BACKEND_SHARED compiles for
+                          mpt_cuda.cu, tested on the host): NaNs and
+                          bfloat16 rounding, Philox, arithmetic rounded at
+                          every step
        @impl-status       the status codes' strings
        @impl-context      the context: allocator, logging and errors,
                           checked size arithmetic (made: @impl-context-life)
@@ -271,6 +265,10 @@
        @impl-rng          Philox for dropout masks and initial weights
        @impl-layers       the layer interface: a layer's table, its parameters,
                           the model struct
+       @backend-shared-layers  the layers' per-element rules: activations
+                          (GELU both forms, the sigmoid), BatchNormalization's
+                          1/sqrt(var + eps), LayerNormalization's steps
+                          (mpt__ln_*), attention's rules
        @impl-layer-helpers  what the layers share: activations' names,
                           workspace, dz, GEMM, checks, the add every layer's
                           entry calls, its input nodes
@@ -302,6 +300,11 @@
                           inside it (parameters, layers, memory)
        @impl-passes       a batch in, forward and backward (a chain's and a
                           graph's walks), a step by hand
+       @backend-shared-training  a training step's rules: loss scaling, the
+                          loss's tally, r2_score's and AUC's sums, the
+                          learning-rate schedule, the optimizers' coefficients
+                          and updates, gradient accumulation, the losses'
+                          element terms; int8 requantization
        @impl-losses       the losses, their gradients and metrics
        @impl-optimizers   descriptors, schedules, the fused update, loss scaling
        @impl-compile      compile: the optimizer's state and its arrays, the
@@ -3525,7 +3528,13 @@ extern int mpt_cuda_wgmma_ready(const void *impl);
    without MPT_IMPLEMENTATION) must compute alike, bit for bit, written
    once here: plain C99 that also compiles as C++17 and, marked MPT__HD,
    as CUDA host and device code. Not part of the API: a program that only
-   uses mpt.h's API does not compile it. */
+   uses mpt.h's API does not compile it.
+   The rules come in three parts, each placed just before the part of the
+   implementation that runs them: here the numbers (NaNs and bfloat16
+   rounding, Philox, arithmetic rounded at every step); the layers' rules
+   (@backend-shared-layers) before the layers; a training step's
+   (@backend-shared-training) before the losses. mpt_cuda.cu gets all
+   three, and @backend-shared-cuda at the end, and nothing else. */
 
 #include <float.h> /* FLT_MIN, FLT_MAX */
 #include <math.h>  /* the rules' sqrt, pow, cos, erff, expf, logf */
@@ -3603,37 +3612,6 @@ static inline MPT__HD float mpt__uniform01(uint32_t bits) {
     return (float)(bits >> 8) * (1.0f / 16777216.0f);
 }
 
-/* The loss scale after a step, from state->finite; then state->step + 1.
-   A non-finite step has been skipped whatever the mode (an update from
-   inf or NaN gradients would destroy the weights), so skipped_steps
-   counts it in every mode. Dynamic mode, as Keras' LossScaleOptimizer: a
-   skipped step multiplies the scale by backoff_factor and restarts the
-   count of finite steps; growth_interval finite steps in a row multiply
-   it by growth_factor. Power-of-two factors keep a power-of-two scale
-   exact. Two guards Keras lacks: the scale never grows to inf (as
-   PyTorch's newer kernels) nor shrinks below FLT_MIN, where 1/scale would
-   be inf. Each product is one rounding (no fused multiply-add can form),
-   so both backends get the same bits. */
-static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
-                                                mpt_step_state *state) {
-    int dynamic = d->mode == MPT_LOSS_SCALE_DYNAMIC;
-    state->step++;
-    if (!state->finite) {
-        float scaled = state->loss_scale * d->backoff_factor;
-        state->skipped_steps++;
-        if (!dynamic) return;
-        state->good_steps = 0;
-        if (scaled >= FLT_MIN) state->loss_scale = scaled;
-        return;
-    }
-    if (!dynamic) return;
-    if (++state->good_steps >= d->growth_interval) {
-        float grown = state->loss_scale * d->growth_factor;
-        if (grown <= FLT_MAX) state->loss_scale = grown; /* not inf */
-        state->good_steps = 0;
-    }
-}
-
 /* ---- arithmetic rounded at every step -------------------------------------
    Each operation below is rounded once, to nearest even: no fused
    multiply-add forms from a product and what is then added to it, so the
@@ -3664,673 +3642,6 @@ static inline MPT__HD double mpt__dadd_rn(double a, double b) {
 }
 static inline MPT__HD double mpt__dmul_rn(double a, double b) {
     return MPT__ROUNDED(__dmul_rn(a, b), a * b);
-}
-
-/* The metrics that tally every output value (mpt__value_sums): a
-   regression's errors, a binary classifier's confusion counts. */
-#define MPT__METRICS_ERRORS                                                  \
-    (MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_MEAN_SQUARED_ERROR |       \
-     MPT_METRIC_ROOT_MEAN_SQUARED_ERROR | MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
-#define MPT__METRICS_CONFUSION (MPT_METRIC_PRECISION | MPT_METRIC_RECALL)
-#define MPT__METRICS_VALUES (MPT__METRICS_ERRORS | MPT__METRICS_CONFUSION)
-
-/* A step state's tallies, loss_sum .. samples: doubles side by side, each
-   summed alike over replicas and workers, and zeroed together. */
-#define MPT__TALLIES                                                                 \
-    ((offsetof(mpt_step_state, sum_squares) - offsetof(mpt_step_state, loss_sum)) / \
-     sizeof(double))
-
-/* A batch's sums over every output value, in double: Σ |y − p|,
-   Σ (y − p)² and Σ 100·|y − p| / max(|y|, ε), ε = 1e-7 as Keras'
-   epsilon; and the counts of true positives, false positives and false
-   negatives (p past the threshold: 0 for logits, 0.5 for probabilities;
-   y != 0 a positive label, as Keras casts labels to bool). */
-enum {
-    MPT__SUM_ABS_ERROR, MPT__SUM_SQUARED_ERROR, MPT__SUM_PERCENT_ERROR,
-    MPT__SUM_TRUE_POSITIVES, MPT__SUM_FALSE_POSITIVES, MPT__SUM_FALSE_NEGATIVES,
-    MPT__VALUE_SUMS
-};
-typedef struct mpt__value_sums {
-    double sum[MPT__VALUE_SUMS]; /* MPT__SUM_* */
-} mpt__value_sums;
-
-static inline MPT__HD void mpt__value_add(mpt__value_sums *e, float pred, float target,
-                                          int from_logits) {
-    const double d = (double)target - (double)pred, a = fabs(d), y = fabs((double)target);
-    const int predicted = pred > (from_logits ? 0.0f : 0.5f), labelled = target != 0.0f;
-    e->sum[MPT__SUM_ABS_ERROR] += a;
-    e->sum[MPT__SUM_SQUARED_ERROR] += d * d;
-    e->sum[MPT__SUM_PERCENT_ERROR] += 100.0 * a / (y > 1e-7 ? y : 1e-7);
-    e->sum[MPT__SUM_TRUE_POSITIVES] += predicted && labelled;
-    e->sum[MPT__SUM_FALSE_POSITIVES] += predicted && !labelled;
-    e->sum[MPT__SUM_FALSE_NEGATIVES] += !predicted && labelled;
-}
-
-/* A row's weight in the loss and the weighted metrics: its class's
-   (class_weight, 1 without) times its sample's (sample_weight[r /
-   rows_per_sample]: every position of a sample weighs as the sample);
-   exactly class_weight without sample weights. */
-static inline MPT__HD float mpt__row_weight(float class_weight, const float *sample_weight,
-                                            int64_t r, int64_t rows_per_sample) {
-    int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
-    if (!sample_weight) return class_weight;
-    return mpt__fmul_rn(class_weight, sample_weight[r / per]);
-}
-
-/* weighted_metrics' sums over a batch's rows (Keras' metrics updated with
-   sample_weight): Σ w, and the row's hits and value sums each times its
-   weight w, in double. */
-typedef struct mpt__weighted_sums {
-    double weight;             /* Σ w over the rows                       */
-    double correct, top_k;     /* Σ w · hit                               */
-    mpt__value_sums values;    /* Σ w · the row's value sums              */
-} mpt__weighted_sums;
-
-static inline MPT__HD void mpt__weighted_add(mpt__weighted_sums *to, float w, int correct,
-                                             int top_k, const mpt__value_sums *row_values) {
-    int i;
-    to->weight += (double)w;
-    to->correct += (double)w * (double)correct;
-    to->top_k += (double)w * (double)top_k;
-    for (i = 0; i < MPT__VALUE_SUMS; i++) to->values.sum[i] += (double)w * row_values->sum[i];
-}
-
-static inline MPT__HD void mpt__weighted_sums_add(mpt__weighted_sums *to,
-                                                  const mpt__weighted_sums *from) {
-    int i;
-    to->weight += from->weight;
-    to->correct += from->correct;
-    to->top_k += from->top_k;
-    for (i = 0; i < MPT__VALUE_SUMS; i++) to->values.sum[i] += from->values.sum[i];
-}
-
-/* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
-   the batch's mean loss, `correct` and `top_k` counts of rows, `errors`
-   the sums over its rows × K values; `weighted` (NULL without
-   weighted_metrics) the same with each row's weight, and Σ weights. A
-   sample whose output has several positions (rows_per_sample) counts
-   once, its positions' hits as fractions of it, so the epoch's accuracy
-   is the fraction of positions right, as Keras' mean over positions, and
-   samples_per_second counts samples; its errors likewise count as their
-   mean over its values, and its weight as its positions' mean. */
-static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics,
-                                           int weighted_metrics, int64_t rows,
-                                           int64_t rows_per_sample, int64_t K, double mean,
-                                           double correct, double top_k,
-                                           const mpt__value_sums *errors,
-                                           const mpt__weighted_sums *weighted) {
-    int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
-    double samples = (double)(rows / per), values = (double)per * (double)K;
-    state->loss_sum += mpt__dmul_rn(mean, samples);
-    state->samples += samples;
-    if (metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
-        state->correct += correct / (double)per;
-    if (metrics & MPT_METRIC_SPARSE_TOP_K) state->top_k += top_k / (double)per;
-    if (metrics & MPT__METRICS_ERRORS) {
-        state->abs_error += errors->sum[MPT__SUM_ABS_ERROR] / values;
-        state->squared_error += errors->sum[MPT__SUM_SQUARED_ERROR] / values;
-        state->percent_error += errors->sum[MPT__SUM_PERCENT_ERROR] / values;
-    }
-    if (metrics & MPT__METRICS_CONFUSION) {
-        state->true_positives += errors->sum[MPT__SUM_TRUE_POSITIVES];
-        state->false_positives += errors->sum[MPT__SUM_FALSE_POSITIVES];
-        state->false_negatives += errors->sum[MPT__SUM_FALSE_NEGATIVES];
-    }
-    if (!weighted_metrics || !weighted) return;
-    state->weight_sum += weighted->weight / (double)per;
-    if (weighted_metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
-        state->weighted_correct += weighted->correct / (double)per;
-    if (weighted_metrics & MPT_METRIC_SPARSE_TOP_K)
-        state->weighted_top_k += weighted->top_k / (double)per;
-    if (weighted_metrics & MPT__METRICS_ERRORS) {
-        state->weighted_abs_error += weighted->values.sum[MPT__SUM_ABS_ERROR] / values;
-        state->weighted_squared_error += weighted->values.sum[MPT__SUM_SQUARED_ERROR] / values;
-        state->weighted_percent_error += weighted->values.sum[MPT__SUM_PERCENT_ERROR] / values;
-    }
-    if (weighted_metrics & MPT__METRICS_CONFUSION) {
-        state->weighted_true_positives += weighted->values.sum[MPT__SUM_TRUE_POSITIVES];
-        state->weighted_false_positives += weighted->values.sum[MPT__SUM_FALSE_POSITIVES];
-        state->weighted_false_negatives += weighted->values.sum[MPT__SUM_FALSE_NEGATIVES];
-    }
-}
-
-/* ---- r2_score's and auc's sums -------------------------------------------
-   Neither metric is a mean of per-batch values: both are finished from
-   sums over the whole epoch, kept in a record of doubles beside the step
-   state (mpt_loss_args.metric_sums) and summed like the tallies over
-   replicas and workers. A record holds two lists, the plain metrics' and
-   weighted_metrics' (each value times its row's weight w; 1 in the plain
-   list). A list, for outputs of K columns:
-       [0]                        Σ w over the rows (their count)
-       [1 + c]                    Σ w·y        of column c   (r2_score)
-       [1 + K + c]                Σ w·y²
-       [1 + 2K + c]               Σ w·(y − p)²
-       [1 + 3K + b]               Σ w of the positive values in bucket b (auc)
-       [1 + 3K + 200 + b]         Σ w of the negative values in bucket b
-   A value's bucket b is the last threshold its probability passes (b =
-   ceil(199·p) − 1, at least 0): it counts as predicted positive at the
-   thresholds 0..b, so the true positives at threshold i are the positive
-   buckets b >= i added up, as Keras' bucketed count. A batch's rows are
-   split into MPT__METRIC_PARTS ranges (rows·k/PARTS ..), each summed in
-   row order into a partial record of its own (mpt_loss_args.metric_parts),
-   and the partials added in part order into the epoch's: the same sums in
-   the same order on every backend, whatever its threads. */
-#define MPT__AUC_THRESHOLDS 200
-#define MPT__METRIC_PARTS 64
-#define MPT__METRICS_EPOCH (MPT_METRIC_R2_SCORE | MPT_METRIC_AUC)
-
-static inline MPT__HD int64_t mpt__metric_list_count(int64_t K) {
-    return 1 + 3 * K + 2 * MPT__AUC_THRESHOLDS;
-}
-
-static inline MPT__HD int64_t mpt__metric_record_count(int64_t K) {
-    return 2 * mpt__metric_list_count(K);
-}
-
-/* A value's auc bucket, 0 .. 198: its probability (the sigmoid of a
-   logit, in double) clipped to [0, 1] as Keras clips it, a NaN as 0. The
-   product 199·p is exact for a probability read from a float, so p lies
-   past threshold i/199 exactly when its bucket is >= i. */
-static inline MPT__HD int mpt__auc_bucket(float pred, int from_logits) {
-    double p = from_logits ? 1.0 / (1.0 + exp(-(double)pred)) : (double)pred, b;
-    p = p > 0 ? (p < 1 ? p : 1) : 0;
-    b = ceil(p * (double)(MPT__AUC_THRESHOLDS - 1)) - 1;
-    return b > 0 ? (int)b : 0;
-}
-
-/* Where a value adds its weight in a list: by its label (y != 0
-   positive, as Keras casts labels to bool) and its bucket. */
-static inline MPT__HD int64_t mpt__auc_slot(int64_t K, float pred, float target, int from_logits) {
-    return 1 + 3 * K + (target != 0.0f ? 0 : MPT__AUC_THRESHOLDS) +
-           mpt__auc_bucket(pred, from_logits);
-}
-
-/* r2_score's three terms of a value, each times its row's weight w:
-   w·y, (w·y)·y and (y − p)²·w, as Keras forms them. */
-static inline MPT__HD void mpt__r2_terms(float pred, float target, double w, double out[3]) {
-    const double y = (double)target, d = (double)target - (double)pred;
-    out[0] = mpt__dmul_rn(w, y);
-    out[1] = mpt__dmul_rn(out[0], y);
-    out[2] = mpt__dmul_rn(mpt__dmul_rn(d, d), w);
-}
-
-/* The MPT_METRIC_* bits of the list l (0 plain, 1 weighted) a loss fills. */
-static inline MPT__HD int mpt__metric_list_bits(int l, int metrics, int weighted_metrics) {
-    return (l ? weighted_metrics : metrics) & MPT__METRICS_EPOCH;
-}
-
-/* =============================================================================
-   @backend-shared-training: a step's shared rules: updates, activations, losses, norms (internal)
-   =============================================================================
-
-   The second half of @backend-shared: what a training step computes per
-   element on either backend. */
-
-/* ---- the learning rate and the optimizers' update -------------------------
-   mpt__cpu_update (@impl-optimizers) and mpt__cuda_update run these: the
-   step's coefficients once per step, then one update per element. */
-
-/* The rate at optimizer step t (steps taken so far) for a base rate: a
-   linear warm-up over the first W steps, lr·(t + 1)/W, then the decay run
-   on t − W, as the header's mpt_lr_schedule describes. (pow and cos are
-   each platform's own: the host's libm and CUDA's may differ in the last
-   bit.) */
-static inline MPT__HD double mpt__learning_rate_at(const mpt_optimizer_desc *d, double base_lr,
-                                                   int64_t t) {
-    const mpt_lr_schedule *s = &d->schedule;
-    double D = (double)s->decay_steps;
-    int64_t W = s->warmup_steps;
-    if (t < 0) t = 0;
-    if (t < W) return base_lr * (double)(t + 1) / (double)W;
-    t -= W;
-    switch (s->type) {
-    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow((double)s->decay_rate, (double)t / D);
-    case MPT_LR_STEP_DECAY:
-        return base_lr * pow((double)s->decay_rate, (double)(t / s->decay_steps));
-    case MPT_LR_COSINE_DECAY: {
-        double progress = (double)(t < s->decay_steps ? t : s->decay_steps) / D; /* 0..1 */
-        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
-        double alpha = (double)s->alpha;
-        return base_lr * mpt__dadd_rn(mpt__dmul_rn(1.0 - alpha, cosine), alpha);
-    }
-    default: return base_lr;
-    }
-}
-
-/* ---- gradient accumulation (optimizer.gradient_accumulation_steps) -------
-   Keras 3's rule (BaseOptimizer._backend_apply_gradients): the batches of a
-   cycle but the last add their gradients to a sum; the last updates with
-   (its gradients + the sum) / N, clipped, and empties the sum. Under loss
-   scaling the sum holds gradients unscaled by the scale of their own batch
-   (Keras' LossScaleOptimizer unscales before its inner optimizer
-   accumulates), so a scale that changes within a cycle mixes nothing; a
-   non-finite batch never reaches these rules (the update is skipped whole),
-   so it adds nothing and does not count. With N = 1 none of this runs. */
-
-enum {
-    MPT__ACCUM_OFF = 0,  /* N = 1: today's update                          */
-    MPT__ACCUM_ADD = 1,  /* a cycle's batch but the last: the sums only    */
-    MPT__ACCUM_APPLY = 2 /* the last: the update from the mean, sums zeroed */
-};
-
-static inline MPT__HD int64_t mpt__accum_steps(const mpt_optimizer_desc *d) {
-    return d->gradient_accumulation_steps > 1 ? (int64_t)d->gradient_accumulation_steps : 1;
-}
-
-/* What a finite step does, from the count of batches already in the sum
-   (Keras: (iterations + 1) % N == 0 on its raw counter). */
-static inline MPT__HD int mpt__accum_mode(const mpt_optimizer_desc *d, const mpt_step_state *st) {
-    int64_t n = mpt__accum_steps(d);
-    if (n == 1) return MPT__ACCUM_OFF;
-    return st->accumulated_steps + 1 < n ? MPT__ACCUM_ADD : MPT__ACCUM_APPLY;
-}
-
-/* 1/scale as the update multiplies by it (a reciprocal in double, rounded
-   once: exact for a power-of-two scale). */
-static inline MPT__HD float mpt__accum_unscale(const mpt_step_state *st) {
-    return (float)(1.0 / (double)st->loss_scale);
-}
-
-/* One element: the sum with this batch's gradient added, unscaled. */
-static inline MPT__HD float mpt__accum_sum(float unscale, float g, float sum) {
-    return mpt__fadd_rn(mpt__fmul_rn(g, unscale), sum);
-}
-
-/* One element at the applying step: the cycle's mean gradient, divided by
-   N as Keras divides (g + acc_g) / steps. */
-static inline MPT__HD float mpt__accum_mean(float unscale, float steps, float g, float sum) {
-    return mpt__fdiv_rn(mpt__accum_sum(unscale, g, sum), steps);
-}
-
-/* The schedule's t for the next update after `updates` of them: Keras 3
-   evaluates a LearningRateSchedule at its raw counter, which counts every
-   batch handed to the optimizer (accumulating ones too), so at an update
-   it is N·updates + N − 1; with N = 1, updates itself. */
-static inline MPT__HD int64_t mpt__schedule_step(const mpt_optimizer_desc *d, int64_t updates) {
-    int64_t n = mpt__accum_steps(d);
-    return updates * n + (n - 1);
-}
-
-/* The counters after a finite step: one more batch in the sum, or one
-   more update and an empty sum. */
-static inline MPT__HD void mpt__accum_advance(const mpt_optimizer_desc *d, mpt_step_state *st) {
-    if (mpt__accum_mode(d, st) == MPT__ACCUM_ADD) {
-        st->accumulated_steps++;
-        return;
-    }
-    st->accumulated_steps = 0;
-    st->optimizer_steps++;
-}
-
-/* Every number the per-element update uses, in float32 as Keras computes. */
-typedef struct mpt__update_coefs {
-    float gscale;   /* 1 / loss scale × the clipping factor (accumulating:
-                       the clipping factor alone, the mean being unscaled) */
-    float l2;       /* coupled: added to the gradient as l2·w            */
-    float decay;    /* decoupled: w −= w·(lr·weight_decay)               */
-    float lr;       /* this step's scheduled rate                        */
-    float momentum; /* SGD                                               */
-    float one_minus_b1, one_minus_b2, alpha, epsilon; /* Adam(W)         */
-    float unscale;  /* accumulation: 1 / loss scale (mpt__accum_unscale) */
-    float steps;    /* accumulation: N                                   */
-    int mode;       /* MPT__ACCUM_*                                      */
-} mpt__update_coefs;
-
-/* The step's coefficients: the scheduled rate, Adam's α with its bias
-   correction for t = optimizer_steps + 1, and the gradient multiplier,
-   1/scale (a reciprocal in double, as PyTorch; exact for a power of two)
-   times min(1, c/‖g‖), ‖g‖ the global norm after unscaling; in double,
-   each rounded to float once. */
-static inline MPT__HD mpt__update_coefs mpt__update_coefs_at(const mpt_optimizer_desc *d,
-                                                             const mpt_step_state *st) {
-    int mode = mpt__accum_mode(d, st);
-    double lr = mpt__learning_rate_at(d, (double)st->learning_rate,
-                                      mpt__schedule_step(d, st->optimizer_steps));
-    double inv_scale = 1.0 / (double)st->loss_scale;
-    double norm = sqrt(st->sum_squares) * inv_scale, clip = 1.0;
-    double t = (double)(st->optimizer_steps + 1);
-    double bias1 = 1.0 - pow((double)d->beta_1, t), bias2 = 1.0 - pow((double)d->beta_2, t);
-    mpt__update_coefs k;
-    if (mode == MPT__ACCUM_APPLY) norm = sqrt(st->accumulated_sum_squares); /* the mean's */
-    if (d->clip_global_norm > 0 && norm > (double)d->clip_global_norm)
-        clip = (double)d->clip_global_norm / norm;
-    k.gscale = (float)((mode == MPT__ACCUM_APPLY ? 1.0 : inv_scale) * clip);
-    k.l2 = d->l2;
-    k.decay = (float)(lr * (double)d->weight_decay);
-    k.lr = (float)lr;
-    k.momentum = d->momentum;
-    k.one_minus_b1 = (float)(1.0 - (double)d->beta_1);
-    k.one_minus_b2 = (float)(1.0 - (double)d->beta_2);
-    k.alpha = (float)(lr * sqrt(bias2) / bias1);
-    k.epsilon = d->epsilon;
-    k.unscale = mpt__accum_unscale(st);
-    k.steps = (float)mpt__accum_steps(d);
-    k.mode = mode;
-    return k;
-}
-
-/* What every rule starts from (Keras 3): the gradient unscaled and
-   clipped, plus the coupled L2 term; and the master after the decoupled
-   decay. */
-static inline MPT__HD float mpt__update_grad(const mpt__update_coefs *k, float w, float g) {
-    return mpt__fadd_rn(mpt__fmul_rn(g, k->gscale), mpt__fmul_rn(k->l2, w));
-}
-static inline MPT__HD float mpt__update_decayed(const mpt__update_coefs *k, float w) {
-    return mpt__fsub_rn(w, mpt__fmul_rn(w, k->decay));
-}
-
-/* A tensor's coefficients: those of the step, or for one excluded from
-   weight decay the same with no decay, so that it updates exactly as with
-   weight_decay 0 and every other tensor exactly as before. */
-static inline MPT__HD mpt__update_coefs mpt__update_coefs_for(const mpt__update_coefs *k,
-                                                              int no_decay) {
-    mpt__update_coefs t = *k;
-    if (no_decay) t.decay = 0.0f;
-    return t;
-}
-
-/* Adam (Keras 3): m += (g − m)(1 − β1), v += (g² − v)(1 − β2), i.e.
-   m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g² in the order Keras
-   rounds them; w −= α·m / (sqrt(v) + ε) with the bias correction folded
-   into α. Returns the new master; *m and *v are updated. */
-static inline MPT__HD float mpt__adam_update(const mpt__update_coefs *k, float w, float g,
-                                             float *m, float *v) {
-    float gi = mpt__update_grad(k, w, g), wi = mpt__update_decayed(k, w);
-    float mi = mpt__fadd_rn(*m, mpt__fmul_rn(mpt__fsub_rn(gi, *m), k->one_minus_b1));
-    float vi = mpt__fadd_rn(*v, mpt__fmul_rn(mpt__fsub_rn(mpt__fmul_rn(gi, gi), *v),
-                                             k->one_minus_b2));
-    float den = mpt__fadd_rn(mpt__fsqrt_rn(vi), k->epsilon);
-    *m = mi;
-    *v = vi;
-    return mpt__fsub_rn(wi, mpt__fdiv_rn(mpt__fmul_rn(mi, k->alpha), den));
-}
-
-/* SGD without momentum (Keras 3): w −= lr·g. */
-static inline MPT__HD float mpt__sgd_update(const mpt__update_coefs *k, float w, float g) {
-    return mpt__fsub_rn(mpt__update_decayed(k, w), mpt__fmul_rn(mpt__update_grad(k, w, g), k->lr));
-}
-
-/* SGD with momentum (Keras 3): velocity = momentum·velocity − lr·g, then
-   w += velocity, or with nesterov w += momentum·velocity − lr·g. Returns
-   the new master; *velocity is updated. */
-static inline MPT__HD float mpt__momentum_update(const mpt__update_coefs *k, float w, float g,
-                                                 float *velocity, int nesterov) {
-    float step = mpt__fmul_rn(mpt__update_grad(k, w, g), k->lr), wi = mpt__update_decayed(k, w);
-    float v = mpt__fsub_rn(mpt__fmul_rn(*velocity, k->momentum), step);
-    *velocity = v;
-    if (!nesterov) return mpt__fadd_rn(wi, v);
-    return mpt__fadd_rn(wi, mpt__fsub_rn(mpt__fmul_rn(v, k->momentum), step));
-}
-
-/* ---- activations ------------------------------------------------------------
-   @impl-activations and every CUDA kernel that applies an activation (the
-   layers' and the GEMM epilogues) run these; erff and expf are each
-   platform's own (the host's libm and CUDA's may differ in the last bit). */
-
-/* One element of mpt_backend.elementwise, in float32; the caller rounds
-   the result to the dtype once. */
-static inline MPT__HD float mpt__elementwise_rule(mpt_elementwise_op op, float a, float b,
-                                                  float alpha) {
-    switch (op) {
-    case MPT_ELEMENTWISE_ADD: return mpt__fadd_rn(a, b);
-    case MPT_ELEMENTWISE_SUBTRACT: return mpt__fsub_rn(a, b);
-    case MPT_ELEMENTWISE_MULTIPLY: return mpt__fmul_rn(a, b);
-    case MPT_ELEMENTWISE_DIVIDE: return mpt__fdiv_rn(a, alpha);
-    case MPT_ELEMENTWISE_NEGATE: return -a;
-    }
-    return a;
-}
-
-/* GELU, exact: x·Φ(x) = ½x·(1 + erf(x/√2)), as Keras' default
-   (approximate=False). */
-static inline MPT__HD float mpt__gelu(float x) {
-    float erf_term = erff(mpt__fmul_rn(x, 0.70710678118654752f));
-    return mpt__fmul_rn(mpt__fmul_rn(0.5f, x), mpt__fadd_rn(1.0f, erf_term));
-}
-
-/* GELU's derivative Φ(x) + x·φ(x): what dy is multiplied by. */
-static inline MPT__HD float mpt__gelu_derivative(float x) {
-    float cdf = mpt__fmul_rn(0.5f, mpt__fadd_rn(1.0f, erff(mpt__fmul_rn(x, 0.70710678118654752f))));
-    float pdf = mpt__fmul_rn(0.39894228040143268f, expf(mpt__fmul_rn(mpt__fmul_rn(-0.5f, x), x)));
-    return mpt__fadd_rn(cdf, mpt__fmul_rn(x, pdf));
-}
-
-/* GELU, tanh form: ½x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³), as
-   Keras' approximate=True and PyTorch's approximate='tanh', in their order
-   of operations. */
-static inline MPT__HD float mpt__gelu_tanh_inner(float x) {
-    float cube = mpt__fmul_rn(mpt__fmul_rn(x, x), x);
-    return mpt__fmul_rn(0.79788456080286536f, mpt__fadd_rn(x, mpt__fmul_rn(0.044715f, cube)));
-}
-
-static inline MPT__HD float mpt__gelu_tanh(float x) {
-    float t = tanhf(mpt__gelu_tanh_inner(x));
-    return mpt__fmul_rn(mpt__fmul_rn(0.5f, x), mpt__fadd_rn(1.0f, t));
-}
-
-/* Its derivative ½(1 + t) + ½x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²), t =
-   tanh(u). Where t is ±1 the second term is 0, and is returned as 0: x² may
-   have overflowed there, and 0·inf would be NaN. */
-static inline MPT__HD float mpt__gelu_tanh_derivative(float x) {
-    float t = tanhf(mpt__gelu_tanh_inner(x));
-    float sech2 = mpt__fsub_rn(1.0f, mpt__fmul_rn(t, t));
-    float left = mpt__fmul_rn(0.5f, mpt__fadd_rn(1.0f, t)), slope;
-    if (sech2 == 0.0f) return left;
-    slope = mpt__fmul_rn(0.79788456080286536f,
-                         mpt__fadd_rn(1.0f, mpt__fmul_rn(0.134145f, mpt__fmul_rn(x, x))));
-    return mpt__fadd_rn(left, mpt__fmul_rn(mpt__fmul_rn(mpt__fmul_rn(0.5f, x), sech2), slope));
-}
-
-/* Whether act's derivative reads the pre-activation z (the GELUs), which a
-   layer then keeps from its forward, rather than its output y. */
-static inline MPT__HD int mpt__activation_keeps_z(mpt_activation act) {
-    return act == MPT_ACT_GELU || act == MPT_ACT_GELU_TANH;
-}
-
-/* The logistic sigmoid in two forms, so that exp never overflows. */
-static inline MPT__HD float mpt__sigmoid(float x) {
-    float e;
-    if (x >= 0) return mpt__fdiv_rn(1.0f, mpt__fadd_rn(1.0f, expf(-x)));
-    e = expf(x);
-    return mpt__fdiv_rn(e, mpt__fadd_rn(1.0f, e));
-}
-
-/* dy · act'(z) from the output y alone: the sigmoid's y·(1 − y) and tanh's
-   1 − y², in this order of rounding (dy·y first for the sigmoid). */
-static inline MPT__HD float mpt__sigmoid_grad(float y, float dy) {
-    return mpt__fmul_rn(mpt__fmul_rn(dy, y), mpt__fsub_rn(1.0f, y));
-}
-
-static inline MPT__HD float mpt__tanh_grad(float y, float dy) {
-    return mpt__fmul_rn(dy, mpt__fsub_rn(1.0f, mpt__fmul_rn(y, y)));
-}
-
-/* ---- the losses' element terms ----------------------------------------------
-   mpt__cpu_loss (@impl-losses) and mpt__cuda_loss sum these over a row (in
-   their own orders: a loop, a warp) and tally the rows alike. With
-   from_logits = 0 a probability is clipped to [ε, 1 − ε] before its log,
-   as Keras 3, and the gradient through a clipped value is zero. */
-
-#define MPT__LOSS_EPS 1e-7f /* Keras' backend.epsilon() */
-
-/* A probability clipped to [ε, 1 − ε] (a NaN to ε). */
-static inline MPT__HD float mpt__loss_clip(float q) {
-    float m = q > MPT__LOSS_EPS ? q : MPT__LOSS_EPS;
-    return m < 1.0f - MPT__LOSS_EPS ? m : 1.0f - MPT__LOSS_EPS;
-}
-static inline MPT__HD int mpt__loss_clipped(float q) {
-    return q < MPT__LOSS_EPS || q > 1.0f - MPT__LOSS_EPS;
-}
-
-/* Crossentropy of softmax(z), one class: t·(lse − z), lse the row's
-   log Σ exp z. */
-/* The weight of a row's class (mpt_fit_desc.class_weight: K weights, or 2
-   for one binary unit, K = 1): `cls` its label or the argmax of its
-   target; for a binary unit its target past 0.5 is class 1. A class
-   outside the table (never, after fit's checks) weighs 0 rather than
-   reading past it. */
-static inline MPT__HD float mpt__row_class_weight(const float *weights, int64_t K, int64_t cls,
-                                                  float binary_target) {
-    if (K == 1) return weights[binary_target > 0.5f ? 1 : 0];
-    return cls >= 0 && cls < K ? weights[cls] : 0.0f;
-}
-
-static inline MPT__HD double mpt__xent_logit_term(float z, float t, double lse) {
-    return mpt__dmul_rn((double)t, lse - (double)z);
-}
-
-/* Its gradient for the class: softmax(z)·Σt − t. */
-static inline MPT__HD float mpt__xent_logit_grad(float z, float t, double lse, float tsum) {
-    return mpt__fsub_rn(mpt__fmul_rn(expf((float)((double)z - lse)), tsum), t);
-}
-
-/* Crossentropy of a probability row, one class: q = p / S (S the row's
-   sum) clipped to c; the loss term −t·log c, and into *g
-   d(−t·log c)/dq, zero where the clip holds q. */
-static inline MPT__HD float mpt__xent_prob_term(float p, float S, float t, float *g) {
-    float q = mpt__fdiv_rn(p, S), c = mpt__loss_clip(q);
-    *g = mpt__loss_clipped(q) ? 0.0f : mpt__fdiv_rn(-t, c);
-    return t != 0 ? mpt__fmul_rn(-t, logf(c)) : 0.0f;
-}
-
-/* Its gradient through q_k = p_k / S: dL/dp_k = (g_k − Σ_c g_c·q_c) / S,
-   `dot` the row's Σ_c g_c·q_c. */
-static inline MPT__HD float mpt__xent_prob_grad(float g, double dot, float S) {
-    return (float)(((double)g - dot) / (double)S);
-}
-
-/* Binary crossentropy of one element, and d/dpred into *g. From logits
-   max(x, 0) − x·t + log(1 + exp(−|x|)), which never overflows. */
-static inline MPT__HD float mpt__bce_term(int from_logits, float x, float t, float *g) {
-    float c, u;
-    if (from_logits) {
-        *g = mpt__fsub_rn(mpt__sigmoid(x), t);
-        return mpt__fadd_rn(mpt__fsub_rn(x > 0.0f ? x : 0.0f, mpt__fmul_rn(x, t)),
-                            log1pf(expf(-fabsf(x))));
-    }
-    c = mpt__loss_clip(x);
-    u = mpt__fsub_rn(1.0f, t);
-    *g = mpt__loss_clipped(x) ? 0.0f
-                              : mpt__fsub_rn(mpt__fdiv_rn(u, mpt__fsub_rn(1.0f, c)),
-                                             mpt__fdiv_rn(t, c));
-    return -mpt__fadd_rn(mpt__fmul_rn(t, logf(c)), mpt__fmul_rn(u, logf(mpt__fsub_rn(1.0f, c))));
-}
-
-/* Squared error of one element, (x − t)² in double (exact), and its
-   gradient 2·(x − t) into *g. */
-static inline MPT__HD double mpt__squared_error_term(float x, float t, float *g) {
-    float d = mpt__fsub_rn(x, t);
-    *g = mpt__fmul_rn(2.0f, d);
-    return mpt__dmul_rn((double)d, (double)d);
-}
-
-/* ---- BatchNormalization, LayerNormalization ----------------------------------
-   1 / sqrt(var + eps) of a channel or a row, in double and rounded to float
-   once: @impl-batchnorm (forward, backward, and the folds of quantization
-   and export), @impl-layernorm, mpt_cuda.cu's mpt__cuda_bn_scale_kernel and
-   its LayerNormalization kernels. */
-static inline MPT__HD float mpt__bn_inv_std(double var, float epsilon) {
-    return (float)(1.0 / sqrt(var + (double)epsilon));
-}
-
-/* LayerNormalization's steps, each float32 rounded as written, so that the
-   CPU (@impl-layernorm) and mpt_cuda.cu give the same bits from the same
-   row statistics. A row's mean is Σ x / D in double, rounded to float; its
-   inv_std mpt__bn_inv_std(Σ (x − mean)² / D), the deviations from that
-   float mean, in double. */
-static inline MPT__HD float mpt__ln_row_mean(double sum, int64_t cols) {
-    return (float)(sum / (double)cols);
-}
-static inline MPT__HD float mpt__ln_row_inv_std(double sum_sq_dev, int64_t cols, float epsilon) {
-    return mpt__bn_inv_std(sum_sq_dev / (double)cols, epsilon);
-}
-/* x̂ = (x − mean) · inv_std */
-static inline MPT__HD float mpt__ln_xhat(float x, float mean, float inv_std) {
-    return mpt__fmul_rn(mpt__fsub_rn(x, mean), inv_std);
-}
-/* y = x̂ · gamma + beta (1 and 0 without them) */
-static inline MPT__HD float mpt__ln_output(float xhat, float gamma, float beta) {
-    return mpt__fadd_rn(mpt__fmul_rn(xhat, gamma), beta);
-}
-/* dx = inv_std · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)), ĝ = dy · gamma; the two
-   means are the row's sums in double divided by D, rounded to float. */
-static inline MPT__HD float mpt__ln_dx(float ghat, float xhat, float mean_g, float mean_gx,
-                                       float inv_std) {
-    return mpt__fmul_rn(inv_std,
-                        mpt__fsub_rn(mpt__fsub_rn(ghat, mean_g), mpt__fmul_rn(xhat, mean_gx)));
-}
-
-/* ---- MultiHeadAttention's rules (mpt_attention_args) ----------------------- */
-
-/* How many keys query i sees: all Tk, or with the causal mask those at
-   j <= i + offset. */
-static inline MPT__HD int64_t mpt__attn_keys_seen(int64_t i, int64_t kv_len, int causal,
-                                                 int64_t offset) {
-    return causal ? (i + offset + 1 < kv_len ? i + offset + 1 : kv_len) : kv_len;
-}
-/* Whether dropout keeps the weight of element e = ((b·H + h)·Tq + i)·Tk + j,
-   drawn as Dropout draws (word e % 4 of Philox's counter (step, e / 4)). */
-static inline MPT__HD int mpt__attn_keep(uint64_t key, uint64_t step, float rate, uint64_t e) {
-    uint32_t r[4];
-    mpt__philox4x32_10(key, step, e / 4, r);
-    return mpt__uniform01(r[e % 4]) >= rate;
-}
-/* A row's weight from its score s, the row's largest score and the
-   reciprocal of Σ exp(s − max) (summed in double): exp(s − max) · inv_sum. */
-static inline MPT__HD float mpt__attn_weight(float s, float row_max, float inv_sum) {
-    return mpt__fmul_rn(expf(mpt__fsub_rn(s, row_max)), inv_sum);
-}
-/* dS = P · (dP − Σ_j P·dP), Σ in double rounded once. */
-static inline MPT__HD float mpt__attn_dscore(float p, float dp, float row_dot) {
-    return mpt__fmul_rn(p, mpt__fsub_rn(dp, row_dot));
-}
-
-/* ---- the int8 GEMM's requantization ----------------------------------------
-   TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm-kernels)
-   and the CUDA int8 GEMM both run, so an int8 result has the same bits on
-   both backends. Integer steps only: nothing here depends on the
-   compiler's float contraction or the device's rounding modes. */
-
-static inline MPT__HD int32_t mpt__saturate_i32(int64_t v) {
-    return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v;
-}
-
-/* SaturatingRoundingDoublingHighMul: (a·b + 2^30) / 2^31 rounded to
-   nearest, ties toward +∞ (the nudge, then C's truncating division); the
-   one overflowing case, INT32_MIN², saturates. */
-static inline MPT__HD int32_t mpt__rounding_doubling_high_mul(int32_t a, int32_t b) {
-    const int64_t ab = (int64_t)a * b;
-    const int64_t nudge = ab >= 0 ? (int64_t)1 << 30 : 1 - ((int64_t)1 << 30);
-    if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
-    return (int32_t)((ab + nudge) / ((int64_t)1 << 31)); /* a constant: no division */
-}
-
-/* RoundingDivideByPOT: x / 2^e rounded to nearest, ties away from zero
-   (the floor quotient, plus one when the remainder passes the threshold). */
-static inline MPT__HD int32_t mpt__rounding_divide_by_pot(int32_t x, int e) {
-    const int64_t p = (int64_t)1 << e;
-    /* floor(x / 2^e), shifting the non-negative x + 2^31 (e ≤ 31): no branch */
-    const int64_t q = (((int64_t)x + ((int64_t)1 << 31)) >> e) - (((int64_t)1 << 31) >> e);
-    const int64_t rem = x - q * p;
-    return (int32_t)(q + (rem > ((p - 1) >> 1) + (x < 0 ? 1 : 0)));
-}
-
-/* MultiplyByQuantizedMultiplier: x · m · 2^(shift − 31), shift in [-31, 30].
-   Where TFLite's x·2^shift would overflow int32, it saturates here. */
-static inline MPT__HD int32_t mpt__multiply_by_quantized_multiplier(int32_t x, int32_t m,
-                                                                    int shift) {
-    const int left = shift > 0 ? shift : 0, right = shift > 0 ? 0 : -shift;
-    const int32_t xl = mpt__saturate_i32((int64_t)x * ((int64_t)1 << left));
-    return mpt__rounding_divide_by_pot(mpt__rounding_doubling_high_mul(xl, m), right);
-}
-
-/* One int32 sum requantized to int8: scaled by (m, shift), moved by the
-   output's zero point, clamped to [lo, hi] (mpt_qgemm_desc's c_min/c_max
-   resolved: [-128, 127] when both are 0). */
-static inline MPT__HD int8_t mpt__requantize_int8(int32_t acc, int32_t m, int shift, int32_t zp,
-                                                  int32_t lo, int32_t hi) {
-    const int64_t q = (int64_t)mpt__multiply_by_quantized_multiplier(acc, m, shift) + zp;
-    return (int8_t)(q < lo ? lo : q > hi ? hi : q);
 }
 
 #endif /* MPT__BACKEND_SHARED_DONE */
@@ -5492,6 +4803,174 @@ static int64_t mpt__dbytes(mpt_dtype dtype, int64_t n) { return n * (int64_t)mpt
 static const void *mpt__param_compute_copy(const mpt__layer *L, int k) { return L->param[k]->compute; }
 static float *mpt__param_master(const mpt__layer *L, int k) { return L->param[k]->value; }
 static float *mpt__param_grad(const mpt__layer *L, int k) { return L->param[k]->grad; }
+
+#endif /* MPT__IMPLEMENTED */
+#endif /* MPT_IMPLEMENTATION */
+
+#if (defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)) || \
+    defined(MPT_BACKEND_SHARED)
+#ifndef MPT__BACKEND_SHARED_LAYERS_DONE
+#define MPT__BACKEND_SHARED_LAYERS_DONE
+
+/* =============================================================================
+   @backend-shared-layers: the layers' per-element rules (internal)
+   =============================================================================
+
+   What the layers below compute per element, and mpt_cuda.cu's kernels
+   alike: the activations and their gradients, BatchNormalization's and
+   LayerNormalization's steps, MultiHeadAttention's weights, mask and
+   dropout. Part of @backend-shared (MPT_BACKEND_SHARED compiles it too). */
+
+/* ---- activations ------------------------------------------------------------
+   @impl-activations and every CUDA kernel that applies an activation (the
+   layers' and the GEMM epilogues) run these; erff and expf are each
+   platform's own (the host's libm and CUDA's may differ in the last bit). */
+
+/* One element of mpt_backend.elementwise, in float32; the caller rounds
+   the result to the dtype once. */
+static inline MPT__HD float mpt__elementwise_rule(mpt_elementwise_op op, float a, float b,
+                                                  float alpha) {
+    switch (op) {
+    case MPT_ELEMENTWISE_ADD: return mpt__fadd_rn(a, b);
+    case MPT_ELEMENTWISE_SUBTRACT: return mpt__fsub_rn(a, b);
+    case MPT_ELEMENTWISE_MULTIPLY: return mpt__fmul_rn(a, b);
+    case MPT_ELEMENTWISE_DIVIDE: return mpt__fdiv_rn(a, alpha);
+    case MPT_ELEMENTWISE_NEGATE: return -a;
+    }
+    return a;
+}
+
+/* GELU, exact: x·Φ(x) = ½x·(1 + erf(x/√2)), as Keras' default
+   (approximate=False). */
+static inline MPT__HD float mpt__gelu(float x) {
+    float erf_term = erff(mpt__fmul_rn(x, 0.70710678118654752f));
+    return mpt__fmul_rn(mpt__fmul_rn(0.5f, x), mpt__fadd_rn(1.0f, erf_term));
+}
+
+/* GELU's derivative Φ(x) + x·φ(x): what dy is multiplied by. */
+static inline MPT__HD float mpt__gelu_derivative(float x) {
+    float cdf = mpt__fmul_rn(0.5f, mpt__fadd_rn(1.0f, erff(mpt__fmul_rn(x, 0.70710678118654752f))));
+    float pdf = mpt__fmul_rn(0.39894228040143268f, expf(mpt__fmul_rn(mpt__fmul_rn(-0.5f, x), x)));
+    return mpt__fadd_rn(cdf, mpt__fmul_rn(x, pdf));
+}
+
+/* GELU, tanh form: ½x·(1 + tanh(u)), u = √(2/π)·(x + 0.044715·x³), as
+   Keras' approximate=True and PyTorch's approximate='tanh', in their order
+   of operations. */
+static inline MPT__HD float mpt__gelu_tanh_inner(float x) {
+    float cube = mpt__fmul_rn(mpt__fmul_rn(x, x), x);
+    return mpt__fmul_rn(0.79788456080286536f, mpt__fadd_rn(x, mpt__fmul_rn(0.044715f, cube)));
+}
+
+static inline MPT__HD float mpt__gelu_tanh(float x) {
+    float t = tanhf(mpt__gelu_tanh_inner(x));
+    return mpt__fmul_rn(mpt__fmul_rn(0.5f, x), mpt__fadd_rn(1.0f, t));
+}
+
+/* Its derivative ½(1 + t) + ½x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²), t =
+   tanh(u). Where t is ±1 the second term is 0, and is returned as 0: x² may
+   have overflowed there, and 0·inf would be NaN. */
+static inline MPT__HD float mpt__gelu_tanh_derivative(float x) {
+    float t = tanhf(mpt__gelu_tanh_inner(x));
+    float sech2 = mpt__fsub_rn(1.0f, mpt__fmul_rn(t, t));
+    float left = mpt__fmul_rn(0.5f, mpt__fadd_rn(1.0f, t)), slope;
+    if (sech2 == 0.0f) return left;
+    slope = mpt__fmul_rn(0.79788456080286536f,
+                         mpt__fadd_rn(1.0f, mpt__fmul_rn(0.134145f, mpt__fmul_rn(x, x))));
+    return mpt__fadd_rn(left, mpt__fmul_rn(mpt__fmul_rn(mpt__fmul_rn(0.5f, x), sech2), slope));
+}
+
+/* Whether act's derivative reads the pre-activation z (the GELUs), which a
+   layer then keeps from its forward, rather than its output y. */
+static inline MPT__HD int mpt__activation_keeps_z(mpt_activation act) {
+    return act == MPT_ACT_GELU || act == MPT_ACT_GELU_TANH;
+}
+
+/* The logistic sigmoid in two forms, so that exp never overflows. */
+static inline MPT__HD float mpt__sigmoid(float x) {
+    float e;
+    if (x >= 0) return mpt__fdiv_rn(1.0f, mpt__fadd_rn(1.0f, expf(-x)));
+    e = expf(x);
+    return mpt__fdiv_rn(e, mpt__fadd_rn(1.0f, e));
+}
+
+/* dy · act'(z) from the output y alone: the sigmoid's y·(1 − y) and tanh's
+   1 − y², in this order of rounding (dy·y first for the sigmoid). */
+static inline MPT__HD float mpt__sigmoid_grad(float y, float dy) {
+    return mpt__fmul_rn(mpt__fmul_rn(dy, y), mpt__fsub_rn(1.0f, y));
+}
+
+static inline MPT__HD float mpt__tanh_grad(float y, float dy) {
+    return mpt__fmul_rn(dy, mpt__fsub_rn(1.0f, mpt__fmul_rn(y, y)));
+}
+
+/* ---- BatchNormalization, LayerNormalization ----------------------------------
+   1 / sqrt(var + eps) of a channel or a row, in double and rounded to float
+   once: @impl-batchnorm (forward, backward, and the folds of quantization
+   and export), @impl-layernorm, mpt_cuda.cu's mpt__cuda_bn_scale_kernel and
+   its LayerNormalization kernels. */
+static inline MPT__HD float mpt__bn_inv_std(double var, float epsilon) {
+    return (float)(1.0 / sqrt(var + (double)epsilon));
+}
+
+/* LayerNormalization's steps, each float32 rounded as written, so that the
+   CPU (@impl-layernorm) and mpt_cuda.cu give the same bits from the same
+   row statistics. A row's mean is Σ x / D in double, rounded to float; its
+   inv_std mpt__bn_inv_std(Σ (x − mean)² / D), the deviations from that
+   float mean, in double. */
+static inline MPT__HD float mpt__ln_row_mean(double sum, int64_t cols) {
+    return (float)(sum / (double)cols);
+}
+static inline MPT__HD float mpt__ln_row_inv_std(double sum_sq_dev, int64_t cols, float epsilon) {
+    return mpt__bn_inv_std(sum_sq_dev / (double)cols, epsilon);
+}
+/* x̂ = (x − mean) · inv_std */
+static inline MPT__HD float mpt__ln_xhat(float x, float mean, float inv_std) {
+    return mpt__fmul_rn(mpt__fsub_rn(x, mean), inv_std);
+}
+/* y = x̂ · gamma + beta (1 and 0 without them) */
+static inline MPT__HD float mpt__ln_output(float xhat, float gamma, float beta) {
+    return mpt__fadd_rn(mpt__fmul_rn(xhat, gamma), beta);
+}
+/* dx = inv_std · (ĝ − mean(ĝ) − x̂ · mean(ĝ · x̂)), ĝ = dy · gamma; the two
+   means are the row's sums in double divided by D, rounded to float. */
+static inline MPT__HD float mpt__ln_dx(float ghat, float xhat, float mean_g, float mean_gx,
+                                       float inv_std) {
+    return mpt__fmul_rn(inv_std,
+                        mpt__fsub_rn(mpt__fsub_rn(ghat, mean_g), mpt__fmul_rn(xhat, mean_gx)));
+}
+
+/* ---- MultiHeadAttention's rules (mpt_attention_args) ----------------------- */
+
+/* How many keys query i sees: all Tk, or with the causal mask those at
+   j <= i + offset. */
+static inline MPT__HD int64_t mpt__attn_keys_seen(int64_t i, int64_t kv_len, int causal,
+                                                 int64_t offset) {
+    return causal ? (i + offset + 1 < kv_len ? i + offset + 1 : kv_len) : kv_len;
+}
+/* Whether dropout keeps the weight of element e = ((b·H + h)·Tq + i)·Tk + j,
+   drawn as Dropout draws (word e % 4 of Philox's counter (step, e / 4)). */
+static inline MPT__HD int mpt__attn_keep(uint64_t key, uint64_t step, float rate, uint64_t e) {
+    uint32_t r[4];
+    mpt__philox4x32_10(key, step, e / 4, r);
+    return mpt__uniform01(r[e % 4]) >= rate;
+}
+/* A row's weight from its score s, the row's largest score and the
+   reciprocal of Σ exp(s − max) (summed in double): exp(s − max) · inv_sum. */
+static inline MPT__HD float mpt__attn_weight(float s, float row_max, float inv_sum) {
+    return mpt__fmul_rn(expf(mpt__fsub_rn(s, row_max)), inv_sum);
+}
+/* dS = P · (dP − Σ_j P·dP), Σ in double rounded once. */
+static inline MPT__HD float mpt__attn_dscore(float p, float dp, float row_dot) {
+    return mpt__fmul_rn(p, mpt__fsub_rn(dp, row_dot));
+}
+
+#endif /* MPT__BACKEND_SHARED_LAYERS_DONE */
+#endif /* the implementation, or MPT_BACKEND_SHARED */
+
+#if defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)
+#ifndef MPT__IMPLEMENTED_LAYERS
+#define MPT__IMPLEMENTED_LAYERS
 
 /* =============================================================================
    @impl-layer-helpers: what the layers below (@impl-dense .. @impl-attention) share
@@ -12266,6 +11745,580 @@ MPTDEF mpt_status mpt_model_sgd_step(mpt_model *m, float learning_rate) {
     mpt__free(m->ctx, block);
     return MPT_OK;
 }
+
+#endif /* MPT__IMPLEMENTED_LAYERS */
+#endif /* MPT_IMPLEMENTATION */
+
+#if (defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)) || \
+    defined(MPT_BACKEND_SHARED)
+#ifndef MPT__BACKEND_SHARED_TRAINING_DONE
+#define MPT__BACKEND_SHARED_TRAINING_DONE
+
+/* =============================================================================
+   @backend-shared-training: a training step's rules: loss scaling, the tallies, updates, losses (internal)
+   =============================================================================
+
+   What a training step computes per element on either backend, placed
+   before the losses, optimizers and the step that run it on the CPU: the
+   loss scale's next value, the step's tallies and r2_score's and AUC's
+   sums, the learning rate and the optimizers' updates, gradient
+   accumulation, the losses' element terms; and the int8 GEMM's
+   requantization, which quantized inference runs. Part of
+   @backend-shared (MPT_BACKEND_SHARED compiles it too). */
+
+/* The loss scale after a step, from state->finite; then state->step + 1.
+   A non-finite step has been skipped whatever the mode (an update from
+   inf or NaN gradients would destroy the weights), so skipped_steps
+   counts it in every mode. Dynamic mode, as Keras' LossScaleOptimizer: a
+   skipped step multiplies the scale by backoff_factor and restarts the
+   count of finite steps; growth_interval finite steps in a row multiply
+   it by growth_factor. Power-of-two factors keep a power-of-two scale
+   exact. Two guards Keras lacks: the scale never grows to inf (as
+   PyTorch's newer kernels) nor shrinks below FLT_MIN, where 1/scale would
+   be inf. Each product is one rounding (no fused multiply-add can form),
+   so both backends get the same bits. */
+static inline MPT__HD void mpt__loss_scale_next(const mpt_loss_scale_desc *d,
+                                                mpt_step_state *state) {
+    int dynamic = d->mode == MPT_LOSS_SCALE_DYNAMIC;
+    state->step++;
+    if (!state->finite) {
+        float scaled = state->loss_scale * d->backoff_factor;
+        state->skipped_steps++;
+        if (!dynamic) return;
+        state->good_steps = 0;
+        if (scaled >= FLT_MIN) state->loss_scale = scaled;
+        return;
+    }
+    if (!dynamic) return;
+    if (++state->good_steps >= d->growth_interval) {
+        float grown = state->loss_scale * d->growth_factor;
+        if (grown <= FLT_MAX) state->loss_scale = grown; /* not inf */
+        state->good_steps = 0;
+    }
+}
+
+/* The metrics that tally every output value (mpt__value_sums): a
+   regression's errors, a binary classifier's confusion counts. */
+#define MPT__METRICS_ERRORS                                                  \
+    (MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_MEAN_SQUARED_ERROR |       \
+     MPT_METRIC_ROOT_MEAN_SQUARED_ERROR | MPT_METRIC_MEAN_ABSOLUTE_PERCENTAGE_ERROR)
+#define MPT__METRICS_CONFUSION (MPT_METRIC_PRECISION | MPT_METRIC_RECALL)
+#define MPT__METRICS_VALUES (MPT__METRICS_ERRORS | MPT__METRICS_CONFUSION)
+
+/* A step state's tallies, loss_sum .. samples: doubles side by side, each
+   summed alike over replicas and workers, and zeroed together. */
+#define MPT__TALLIES                                                                 \
+    ((offsetof(mpt_step_state, sum_squares) - offsetof(mpt_step_state, loss_sum)) / \
+     sizeof(double))
+
+/* A batch's sums over every output value, in double: Σ |y − p|,
+   Σ (y − p)² and Σ 100·|y − p| / max(|y|, ε), ε = 1e-7 as Keras'
+   epsilon; and the counts of true positives, false positives and false
+   negatives (p past the threshold: 0 for logits, 0.5 for probabilities;
+   y != 0 a positive label, as Keras casts labels to bool). */
+enum {
+    MPT__SUM_ABS_ERROR, MPT__SUM_SQUARED_ERROR, MPT__SUM_PERCENT_ERROR,
+    MPT__SUM_TRUE_POSITIVES, MPT__SUM_FALSE_POSITIVES, MPT__SUM_FALSE_NEGATIVES,
+    MPT__VALUE_SUMS
+};
+typedef struct mpt__value_sums {
+    double sum[MPT__VALUE_SUMS]; /* MPT__SUM_* */
+} mpt__value_sums;
+
+static inline MPT__HD void mpt__value_add(mpt__value_sums *e, float pred, float target,
+                                          int from_logits) {
+    const double d = (double)target - (double)pred, a = fabs(d), y = fabs((double)target);
+    const int predicted = pred > (from_logits ? 0.0f : 0.5f), labelled = target != 0.0f;
+    e->sum[MPT__SUM_ABS_ERROR] += a;
+    e->sum[MPT__SUM_SQUARED_ERROR] += d * d;
+    e->sum[MPT__SUM_PERCENT_ERROR] += 100.0 * a / (y > 1e-7 ? y : 1e-7);
+    e->sum[MPT__SUM_TRUE_POSITIVES] += predicted && labelled;
+    e->sum[MPT__SUM_FALSE_POSITIVES] += predicted && !labelled;
+    e->sum[MPT__SUM_FALSE_NEGATIVES] += !predicted && labelled;
+}
+
+/* A row's weight in the loss and the weighted metrics: its class's
+   (class_weight, 1 without) times its sample's (sample_weight[r /
+   rows_per_sample]: every position of a sample weighs as the sample);
+   exactly class_weight without sample weights. */
+static inline MPT__HD float mpt__row_weight(float class_weight, const float *sample_weight,
+                                            int64_t r, int64_t rows_per_sample) {
+    int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
+    if (!sample_weight) return class_weight;
+    return mpt__fmul_rn(class_weight, sample_weight[r / per]);
+}
+
+/* weighted_metrics' sums over a batch's rows (Keras' metrics updated with
+   sample_weight): Σ w, and the row's hits and value sums each times its
+   weight w, in double. */
+typedef struct mpt__weighted_sums {
+    double weight;             /* Σ w over the rows                       */
+    double correct, top_k;     /* Σ w · hit                               */
+    mpt__value_sums values;    /* Σ w · the row's value sums              */
+} mpt__weighted_sums;
+
+static inline MPT__HD void mpt__weighted_add(mpt__weighted_sums *to, float w, int correct,
+                                             int top_k, const mpt__value_sums *row_values) {
+    int i;
+    to->weight += (double)w;
+    to->correct += (double)w * (double)correct;
+    to->top_k += (double)w * (double)top_k;
+    for (i = 0; i < MPT__VALUE_SUMS; i++) to->values.sum[i] += (double)w * row_values->sum[i];
+}
+
+static inline MPT__HD void mpt__weighted_sums_add(mpt__weighted_sums *to,
+                                                  const mpt__weighted_sums *from) {
+    int i;
+    to->weight += from->weight;
+    to->correct += from->correct;
+    to->top_k += from->top_k;
+    for (i = 0; i < MPT__VALUE_SUMS; i++) to->values.sum[i] += from->values.sum[i];
+}
+
+/* A batch's loss and metrics into the step state (mpt_loss_args): `mean`
+   the batch's mean loss, `correct` and `top_k` counts of rows, `errors`
+   the sums over its rows × K values; `weighted` (NULL without
+   weighted_metrics) the same with each row's weight, and Σ weights. A
+   sample whose output has several positions (rows_per_sample) counts
+   once, its positions' hits as fractions of it, so the epoch's accuracy
+   is the fraction of positions right, as Keras' mean over positions, and
+   samples_per_second counts samples; its errors likewise count as their
+   mean over its values, and its weight as its positions' mean. */
+static inline MPT__HD void mpt__loss_tally(mpt_step_state *state, int metrics,
+                                           int weighted_metrics, int64_t rows,
+                                           int64_t rows_per_sample, int64_t K, double mean,
+                                           double correct, double top_k,
+                                           const mpt__value_sums *errors,
+                                           const mpt__weighted_sums *weighted) {
+    int64_t per = rows_per_sample > 0 ? rows_per_sample : 1;
+    double samples = (double)(rows / per), values = (double)per * (double)K;
+    state->loss_sum += mpt__dmul_rn(mean, samples);
+    state->samples += samples;
+    if (metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
+        state->correct += correct / (double)per;
+    if (metrics & MPT_METRIC_SPARSE_TOP_K) state->top_k += top_k / (double)per;
+    if (metrics & MPT__METRICS_ERRORS) {
+        state->abs_error += errors->sum[MPT__SUM_ABS_ERROR] / values;
+        state->squared_error += errors->sum[MPT__SUM_SQUARED_ERROR] / values;
+        state->percent_error += errors->sum[MPT__SUM_PERCENT_ERROR] / values;
+    }
+    if (metrics & MPT__METRICS_CONFUSION) {
+        state->true_positives += errors->sum[MPT__SUM_TRUE_POSITIVES];
+        state->false_positives += errors->sum[MPT__SUM_FALSE_POSITIVES];
+        state->false_negatives += errors->sum[MPT__SUM_FALSE_NEGATIVES];
+    }
+    if (!weighted_metrics || !weighted) return;
+    state->weight_sum += weighted->weight / (double)per;
+    if (weighted_metrics & (MPT_METRIC_ACCURACY | MPT_METRIC_SPARSE_TOP_K))
+        state->weighted_correct += weighted->correct / (double)per;
+    if (weighted_metrics & MPT_METRIC_SPARSE_TOP_K)
+        state->weighted_top_k += weighted->top_k / (double)per;
+    if (weighted_metrics & MPT__METRICS_ERRORS) {
+        state->weighted_abs_error += weighted->values.sum[MPT__SUM_ABS_ERROR] / values;
+        state->weighted_squared_error += weighted->values.sum[MPT__SUM_SQUARED_ERROR] / values;
+        state->weighted_percent_error += weighted->values.sum[MPT__SUM_PERCENT_ERROR] / values;
+    }
+    if (weighted_metrics & MPT__METRICS_CONFUSION) {
+        state->weighted_true_positives += weighted->values.sum[MPT__SUM_TRUE_POSITIVES];
+        state->weighted_false_positives += weighted->values.sum[MPT__SUM_FALSE_POSITIVES];
+        state->weighted_false_negatives += weighted->values.sum[MPT__SUM_FALSE_NEGATIVES];
+    }
+}
+
+/* ---- r2_score's and auc's sums -------------------------------------------
+   Neither metric is a mean of per-batch values: both are finished from
+   sums over the whole epoch, kept in a record of doubles beside the step
+   state (mpt_loss_args.metric_sums) and summed like the tallies over
+   replicas and workers. A record holds two lists, the plain metrics' and
+   weighted_metrics' (each value times its row's weight w; 1 in the plain
+   list). A list, for outputs of K columns:
+       [0]                        Σ w over the rows (their count)
+       [1 + c]                    Σ w·y        of column c   (r2_score)
+       [1 + K + c]                Σ w·y²
+       [1 + 2K + c]               Σ w·(y − p)²
+       [1 + 3K + b]               Σ w of the positive values in bucket b (auc)
+       [1 + 3K + 200 + b]         Σ w of the negative values in bucket b
+   A value's bucket b is the last threshold its probability passes (b =
+   ceil(199·p) − 1, at least 0): it counts as predicted positive at the
+   thresholds 0..b, so the true positives at threshold i are the positive
+   buckets b >= i added up, as Keras' bucketed count. A batch's rows are
+   split into MPT__METRIC_PARTS ranges (rows·k/PARTS ..), each summed in
+   row order into a partial record of its own (mpt_loss_args.metric_parts),
+   and the partials added in part order into the epoch's: the same sums in
+   the same order on every backend, whatever its threads. */
+#define MPT__AUC_THRESHOLDS 200
+#define MPT__METRIC_PARTS 64
+#define MPT__METRICS_EPOCH (MPT_METRIC_R2_SCORE | MPT_METRIC_AUC)
+
+static inline MPT__HD int64_t mpt__metric_list_count(int64_t K) {
+    return 1 + 3 * K + 2 * MPT__AUC_THRESHOLDS;
+}
+
+static inline MPT__HD int64_t mpt__metric_record_count(int64_t K) {
+    return 2 * mpt__metric_list_count(K);
+}
+
+/* A value's auc bucket, 0 .. 198: its probability (the sigmoid of a
+   logit, in double) clipped to [0, 1] as Keras clips it, a NaN as 0. The
+   product 199·p is exact for a probability read from a float, so p lies
+   past threshold i/199 exactly when its bucket is >= i. */
+static inline MPT__HD int mpt__auc_bucket(float pred, int from_logits) {
+    double p = from_logits ? 1.0 / (1.0 + exp(-(double)pred)) : (double)pred, b;
+    p = p > 0 ? (p < 1 ? p : 1) : 0;
+    b = ceil(p * (double)(MPT__AUC_THRESHOLDS - 1)) - 1;
+    return b > 0 ? (int)b : 0;
+}
+
+/* Where a value adds its weight in a list: by its label (y != 0
+   positive, as Keras casts labels to bool) and its bucket. */
+static inline MPT__HD int64_t mpt__auc_slot(int64_t K, float pred, float target, int from_logits) {
+    return 1 + 3 * K + (target != 0.0f ? 0 : MPT__AUC_THRESHOLDS) +
+           mpt__auc_bucket(pred, from_logits);
+}
+
+/* r2_score's three terms of a value, each times its row's weight w:
+   w·y, (w·y)·y and (y − p)²·w, as Keras forms them. */
+static inline MPT__HD void mpt__r2_terms(float pred, float target, double w, double out[3]) {
+    const double y = (double)target, d = (double)target - (double)pred;
+    out[0] = mpt__dmul_rn(w, y);
+    out[1] = mpt__dmul_rn(out[0], y);
+    out[2] = mpt__dmul_rn(mpt__dmul_rn(d, d), w);
+}
+
+/* The MPT_METRIC_* bits of the list l (0 plain, 1 weighted) a loss fills. */
+static inline MPT__HD int mpt__metric_list_bits(int l, int metrics, int weighted_metrics) {
+    return (l ? weighted_metrics : metrics) & MPT__METRICS_EPOCH;
+}
+
+/* ---- the learning rate and the optimizers' update -------------------------
+   mpt__cpu_update (@impl-optimizers) and mpt__cuda_update run these: the
+   step's coefficients once per step, then one update per element. */
+
+/* The rate at optimizer step t (steps taken so far) for a base rate: a
+   linear warm-up over the first W steps, lr·(t + 1)/W, then the decay run
+   on t − W, as the header's mpt_lr_schedule describes. (pow and cos are
+   each platform's own: the host's libm and CUDA's may differ in the last
+   bit.) */
+static inline MPT__HD double mpt__learning_rate_at(const mpt_optimizer_desc *d, double base_lr,
+                                                   int64_t t) {
+    const mpt_lr_schedule *s = &d->schedule;
+    double D = (double)s->decay_steps;
+    int64_t W = s->warmup_steps;
+    if (t < 0) t = 0;
+    if (t < W) return base_lr * (double)(t + 1) / (double)W;
+    t -= W;
+    switch (s->type) {
+    case MPT_LR_EXPONENTIAL_DECAY: return base_lr * pow((double)s->decay_rate, (double)t / D);
+    case MPT_LR_STEP_DECAY:
+        return base_lr * pow((double)s->decay_rate, (double)(t / s->decay_steps));
+    case MPT_LR_COSINE_DECAY: {
+        double progress = (double)(t < s->decay_steps ? t : s->decay_steps) / D; /* 0..1 */
+        double cosine = 0.5 * (1.0 + cos(3.14159265358979323846 * progress));
+        double alpha = (double)s->alpha;
+        return base_lr * mpt__dadd_rn(mpt__dmul_rn(1.0 - alpha, cosine), alpha);
+    }
+    default: return base_lr;
+    }
+}
+
+/* ---- gradient accumulation (optimizer.gradient_accumulation_steps) -------
+   Keras 3's rule (BaseOptimizer._backend_apply_gradients): the batches of a
+   cycle but the last add their gradients to a sum; the last updates with
+   (its gradients + the sum) / N, clipped, and empties the sum. Under loss
+   scaling the sum holds gradients unscaled by the scale of their own batch
+   (Keras' LossScaleOptimizer unscales before its inner optimizer
+   accumulates), so a scale that changes within a cycle mixes nothing; a
+   non-finite batch never reaches these rules (the update is skipped whole),
+   so it adds nothing and does not count. With N = 1 none of this runs. */
+
+enum {
+    MPT__ACCUM_OFF = 0,  /* N = 1: today's update                          */
+    MPT__ACCUM_ADD = 1,  /* a cycle's batch but the last: the sums only    */
+    MPT__ACCUM_APPLY = 2 /* the last: the update from the mean, sums zeroed */
+};
+
+static inline MPT__HD int64_t mpt__accum_steps(const mpt_optimizer_desc *d) {
+    return d->gradient_accumulation_steps > 1 ? (int64_t)d->gradient_accumulation_steps : 1;
+}
+
+/* What a finite step does, from the count of batches already in the sum
+   (Keras: (iterations + 1) % N == 0 on its raw counter). */
+static inline MPT__HD int mpt__accum_mode(const mpt_optimizer_desc *d, const mpt_step_state *st) {
+    int64_t n = mpt__accum_steps(d);
+    if (n == 1) return MPT__ACCUM_OFF;
+    return st->accumulated_steps + 1 < n ? MPT__ACCUM_ADD : MPT__ACCUM_APPLY;
+}
+
+/* 1/scale as the update multiplies by it (a reciprocal in double, rounded
+   once: exact for a power-of-two scale). */
+static inline MPT__HD float mpt__accum_unscale(const mpt_step_state *st) {
+    return (float)(1.0 / (double)st->loss_scale);
+}
+
+/* One element: the sum with this batch's gradient added, unscaled. */
+static inline MPT__HD float mpt__accum_sum(float unscale, float g, float sum) {
+    return mpt__fadd_rn(mpt__fmul_rn(g, unscale), sum);
+}
+
+/* One element at the applying step: the cycle's mean gradient, divided by
+   N as Keras divides (g + acc_g) / steps. */
+static inline MPT__HD float mpt__accum_mean(float unscale, float steps, float g, float sum) {
+    return mpt__fdiv_rn(mpt__accum_sum(unscale, g, sum), steps);
+}
+
+/* The schedule's t for the next update after `updates` of them: Keras 3
+   evaluates a LearningRateSchedule at its raw counter, which counts every
+   batch handed to the optimizer (accumulating ones too), so at an update
+   it is N·updates + N − 1; with N = 1, updates itself. */
+static inline MPT__HD int64_t mpt__schedule_step(const mpt_optimizer_desc *d, int64_t updates) {
+    int64_t n = mpt__accum_steps(d);
+    return updates * n + (n - 1);
+}
+
+/* The counters after a finite step: one more batch in the sum, or one
+   more update and an empty sum. */
+static inline MPT__HD void mpt__accum_advance(const mpt_optimizer_desc *d, mpt_step_state *st) {
+    if (mpt__accum_mode(d, st) == MPT__ACCUM_ADD) {
+        st->accumulated_steps++;
+        return;
+    }
+    st->accumulated_steps = 0;
+    st->optimizer_steps++;
+}
+
+/* Every number the per-element update uses, in float32 as Keras computes. */
+typedef struct mpt__update_coefs {
+    float gscale;   /* 1 / loss scale × the clipping factor (accumulating:
+                       the clipping factor alone, the mean being unscaled) */
+    float l2;       /* coupled: added to the gradient as l2·w            */
+    float decay;    /* decoupled: w −= w·(lr·weight_decay)               */
+    float lr;       /* this step's scheduled rate                        */
+    float momentum; /* SGD                                               */
+    float one_minus_b1, one_minus_b2, alpha, epsilon; /* Adam(W)         */
+    float unscale;  /* accumulation: 1 / loss scale (mpt__accum_unscale) */
+    float steps;    /* accumulation: N                                   */
+    int mode;       /* MPT__ACCUM_*                                      */
+} mpt__update_coefs;
+
+/* The step's coefficients: the scheduled rate, Adam's α with its bias
+   correction for t = optimizer_steps + 1, and the gradient multiplier,
+   1/scale (a reciprocal in double, as PyTorch; exact for a power of two)
+   times min(1, c/‖g‖), ‖g‖ the global norm after unscaling; in double,
+   each rounded to float once. */
+static inline MPT__HD mpt__update_coefs mpt__update_coefs_at(const mpt_optimizer_desc *d,
+                                                             const mpt_step_state *st) {
+    int mode = mpt__accum_mode(d, st);
+    double lr = mpt__learning_rate_at(d, (double)st->learning_rate,
+                                      mpt__schedule_step(d, st->optimizer_steps));
+    double inv_scale = 1.0 / (double)st->loss_scale;
+    double norm = sqrt(st->sum_squares) * inv_scale, clip = 1.0;
+    double t = (double)(st->optimizer_steps + 1);
+    double bias1 = 1.0 - pow((double)d->beta_1, t), bias2 = 1.0 - pow((double)d->beta_2, t);
+    mpt__update_coefs k;
+    if (mode == MPT__ACCUM_APPLY) norm = sqrt(st->accumulated_sum_squares); /* the mean's */
+    if (d->clip_global_norm > 0 && norm > (double)d->clip_global_norm)
+        clip = (double)d->clip_global_norm / norm;
+    k.gscale = (float)((mode == MPT__ACCUM_APPLY ? 1.0 : inv_scale) * clip);
+    k.l2 = d->l2;
+    k.decay = (float)(lr * (double)d->weight_decay);
+    k.lr = (float)lr;
+    k.momentum = d->momentum;
+    k.one_minus_b1 = (float)(1.0 - (double)d->beta_1);
+    k.one_minus_b2 = (float)(1.0 - (double)d->beta_2);
+    k.alpha = (float)(lr * sqrt(bias2) / bias1);
+    k.epsilon = d->epsilon;
+    k.unscale = mpt__accum_unscale(st);
+    k.steps = (float)mpt__accum_steps(d);
+    k.mode = mode;
+    return k;
+}
+
+/* What every rule starts from (Keras 3): the gradient unscaled and
+   clipped, plus the coupled L2 term; and the master after the decoupled
+   decay. */
+static inline MPT__HD float mpt__update_grad(const mpt__update_coefs *k, float w, float g) {
+    return mpt__fadd_rn(mpt__fmul_rn(g, k->gscale), mpt__fmul_rn(k->l2, w));
+}
+static inline MPT__HD float mpt__update_decayed(const mpt__update_coefs *k, float w) {
+    return mpt__fsub_rn(w, mpt__fmul_rn(w, k->decay));
+}
+
+/* A tensor's coefficients: those of the step, or for one excluded from
+   weight decay the same with no decay, so that it updates exactly as with
+   weight_decay 0 and every other tensor exactly as before. */
+static inline MPT__HD mpt__update_coefs mpt__update_coefs_for(const mpt__update_coefs *k,
+                                                              int no_decay) {
+    mpt__update_coefs t = *k;
+    if (no_decay) t.decay = 0.0f;
+    return t;
+}
+
+/* Adam (Keras 3): m += (g − m)(1 − β1), v += (g² − v)(1 − β2), i.e.
+   m = β1·m + (1 − β1)·g and v = β2·v + (1 − β2)·g² in the order Keras
+   rounds them; w −= α·m / (sqrt(v) + ε) with the bias correction folded
+   into α. Returns the new master; *m and *v are updated. */
+static inline MPT__HD float mpt__adam_update(const mpt__update_coefs *k, float w, float g,
+                                             float *m, float *v) {
+    float gi = mpt__update_grad(k, w, g), wi = mpt__update_decayed(k, w);
+    float mi = mpt__fadd_rn(*m, mpt__fmul_rn(mpt__fsub_rn(gi, *m), k->one_minus_b1));
+    float vi = mpt__fadd_rn(*v, mpt__fmul_rn(mpt__fsub_rn(mpt__fmul_rn(gi, gi), *v),
+                                             k->one_minus_b2));
+    float den = mpt__fadd_rn(mpt__fsqrt_rn(vi), k->epsilon);
+    *m = mi;
+    *v = vi;
+    return mpt__fsub_rn(wi, mpt__fdiv_rn(mpt__fmul_rn(mi, k->alpha), den));
+}
+
+/* SGD without momentum (Keras 3): w −= lr·g. */
+static inline MPT__HD float mpt__sgd_update(const mpt__update_coefs *k, float w, float g) {
+    return mpt__fsub_rn(mpt__update_decayed(k, w), mpt__fmul_rn(mpt__update_grad(k, w, g), k->lr));
+}
+
+/* SGD with momentum (Keras 3): velocity = momentum·velocity − lr·g, then
+   w += velocity, or with nesterov w += momentum·velocity − lr·g. Returns
+   the new master; *velocity is updated. */
+static inline MPT__HD float mpt__momentum_update(const mpt__update_coefs *k, float w, float g,
+                                                 float *velocity, int nesterov) {
+    float step = mpt__fmul_rn(mpt__update_grad(k, w, g), k->lr), wi = mpt__update_decayed(k, w);
+    float v = mpt__fsub_rn(mpt__fmul_rn(*velocity, k->momentum), step);
+    *velocity = v;
+    if (!nesterov) return mpt__fadd_rn(wi, v);
+    return mpt__fadd_rn(wi, mpt__fsub_rn(mpt__fmul_rn(v, k->momentum), step));
+}
+
+/* ---- the losses' element terms ----------------------------------------------
+   mpt__cpu_loss (@impl-losses) and mpt__cuda_loss sum these over a row (in
+   their own orders: a loop, a warp) and tally the rows alike. With
+   from_logits = 0 a probability is clipped to [ε, 1 − ε] before its log,
+   as Keras 3, and the gradient through a clipped value is zero. */
+
+#define MPT__LOSS_EPS 1e-7f /* Keras' backend.epsilon() */
+
+/* A probability clipped to [ε, 1 − ε] (a NaN to ε). */
+static inline MPT__HD float mpt__loss_clip(float q) {
+    float m = q > MPT__LOSS_EPS ? q : MPT__LOSS_EPS;
+    return m < 1.0f - MPT__LOSS_EPS ? m : 1.0f - MPT__LOSS_EPS;
+}
+static inline MPT__HD int mpt__loss_clipped(float q) {
+    return q < MPT__LOSS_EPS || q > 1.0f - MPT__LOSS_EPS;
+}
+
+/* Crossentropy of softmax(z), one class: t·(lse − z), lse the row's
+   log Σ exp z. */
+/* The weight of a row's class (mpt_fit_desc.class_weight: K weights, or 2
+   for one binary unit, K = 1): `cls` its label or the argmax of its
+   target; for a binary unit its target past 0.5 is class 1. A class
+   outside the table (never, after fit's checks) weighs 0 rather than
+   reading past it. */
+static inline MPT__HD float mpt__row_class_weight(const float *weights, int64_t K, int64_t cls,
+                                                  float binary_target) {
+    if (K == 1) return weights[binary_target > 0.5f ? 1 : 0];
+    return cls >= 0 && cls < K ? weights[cls] : 0.0f;
+}
+
+static inline MPT__HD double mpt__xent_logit_term(float z, float t, double lse) {
+    return mpt__dmul_rn((double)t, lse - (double)z);
+}
+
+/* Its gradient for the class: softmax(z)·Σt − t. */
+static inline MPT__HD float mpt__xent_logit_grad(float z, float t, double lse, float tsum) {
+    return mpt__fsub_rn(mpt__fmul_rn(expf((float)((double)z - lse)), tsum), t);
+}
+
+/* Crossentropy of a probability row, one class: q = p / S (S the row's
+   sum) clipped to c; the loss term −t·log c, and into *g
+   d(−t·log c)/dq, zero where the clip holds q. */
+static inline MPT__HD float mpt__xent_prob_term(float p, float S, float t, float *g) {
+    float q = mpt__fdiv_rn(p, S), c = mpt__loss_clip(q);
+    *g = mpt__loss_clipped(q) ? 0.0f : mpt__fdiv_rn(-t, c);
+    return t != 0 ? mpt__fmul_rn(-t, logf(c)) : 0.0f;
+}
+
+/* Its gradient through q_k = p_k / S: dL/dp_k = (g_k − Σ_c g_c·q_c) / S,
+   `dot` the row's Σ_c g_c·q_c. */
+static inline MPT__HD float mpt__xent_prob_grad(float g, double dot, float S) {
+    return (float)(((double)g - dot) / (double)S);
+}
+
+/* Binary crossentropy of one element, and d/dpred into *g. From logits
+   max(x, 0) − x·t + log(1 + exp(−|x|)), which never overflows. */
+static inline MPT__HD float mpt__bce_term(int from_logits, float x, float t, float *g) {
+    float c, u;
+    if (from_logits) {
+        *g = mpt__fsub_rn(mpt__sigmoid(x), t);
+        return mpt__fadd_rn(mpt__fsub_rn(x > 0.0f ? x : 0.0f, mpt__fmul_rn(x, t)),
+                            log1pf(expf(-fabsf(x))));
+    }
+    c = mpt__loss_clip(x);
+    u = mpt__fsub_rn(1.0f, t);
+    *g = mpt__loss_clipped(x) ? 0.0f
+                              : mpt__fsub_rn(mpt__fdiv_rn(u, mpt__fsub_rn(1.0f, c)),
+                                             mpt__fdiv_rn(t, c));
+    return -mpt__fadd_rn(mpt__fmul_rn(t, logf(c)), mpt__fmul_rn(u, logf(mpt__fsub_rn(1.0f, c))));
+}
+
+/* Squared error of one element, (x − t)² in double (exact), and its
+   gradient 2·(x − t) into *g. */
+static inline MPT__HD double mpt__squared_error_term(float x, float t, float *g) {
+    float d = mpt__fsub_rn(x, t);
+    *g = mpt__fmul_rn(2.0f, d);
+    return mpt__dmul_rn((double)d, (double)d);
+}
+
+/* ---- the int8 GEMM's requantization ----------------------------------------
+   TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm-kernels)
+   and the CUDA int8 GEMM both run, so an int8 result has the same bits on
+   both backends. Integer steps only: nothing here depends on the
+   compiler's float contraction or the device's rounding modes. */
+
+static inline MPT__HD int32_t mpt__saturate_i32(int64_t v) {
+    return v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : (int32_t)v;
+}
+
+/* SaturatingRoundingDoublingHighMul: (a·b + 2^30) / 2^31 rounded to
+   nearest, ties toward +∞ (the nudge, then C's truncating division); the
+   one overflowing case, INT32_MIN², saturates. */
+static inline MPT__HD int32_t mpt__rounding_doubling_high_mul(int32_t a, int32_t b) {
+    const int64_t ab = (int64_t)a * b;
+    const int64_t nudge = ab >= 0 ? (int64_t)1 << 30 : 1 - ((int64_t)1 << 30);
+    if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
+    return (int32_t)((ab + nudge) / ((int64_t)1 << 31)); /* a constant: no division */
+}
+
+/* RoundingDivideByPOT: x / 2^e rounded to nearest, ties away from zero
+   (the floor quotient, plus one when the remainder passes the threshold). */
+static inline MPT__HD int32_t mpt__rounding_divide_by_pot(int32_t x, int e) {
+    const int64_t p = (int64_t)1 << e;
+    /* floor(x / 2^e), shifting the non-negative x + 2^31 (e ≤ 31): no branch */
+    const int64_t q = (((int64_t)x + ((int64_t)1 << 31)) >> e) - (((int64_t)1 << 31) >> e);
+    const int64_t rem = x - q * p;
+    return (int32_t)(q + (rem > ((p - 1) >> 1) + (x < 0 ? 1 : 0)));
+}
+
+/* MultiplyByQuantizedMultiplier: x · m · 2^(shift − 31), shift in [-31, 30].
+   Where TFLite's x·2^shift would overflow int32, it saturates here. */
+static inline MPT__HD int32_t mpt__multiply_by_quantized_multiplier(int32_t x, int32_t m,
+                                                                    int shift) {
+    const int left = shift > 0 ? shift : 0, right = shift > 0 ? 0 : -shift;
+    const int32_t xl = mpt__saturate_i32((int64_t)x * ((int64_t)1 << left));
+    return mpt__rounding_divide_by_pot(mpt__rounding_doubling_high_mul(xl, m), right);
+}
+
+/* One int32 sum requantized to int8: scaled by (m, shift), moved by the
+   output's zero point, clamped to [lo, hi] (mpt_qgemm_desc's c_min/c_max
+   resolved: [-128, 127] when both are 0). */
+static inline MPT__HD int8_t mpt__requantize_int8(int32_t acc, int32_t m, int shift, int32_t zp,
+                                                  int32_t lo, int32_t hi) {
+    const int64_t q = (int64_t)mpt__multiply_by_quantized_multiplier(acc, m, shift) + zp;
+    return (int8_t)(q < lo ? lo : q > hi ? hi : q);
+}
+
+#endif /* MPT__BACKEND_SHARED_TRAINING_DONE */
+#endif /* the implementation, or MPT_BACKEND_SHARED */
+
+#if defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)
+#ifndef MPT__IMPLEMENTED_TRAINING
+#define MPT__IMPLEMENTED_TRAINING
 
 /* =============================================================================
    @impl-losses
@@ -26839,7 +26892,7 @@ MPT__AVX512_QUIET_BEGIN
 /* ---- GELU 16 lanes at a time ------------------------------------------------
    The exact GELU x·Φ(x) and its derivative Φ(x) + x·φ(x) in AVX-512, for
    the layers' passes (mpt__activation_forward_cpu, mpt__activation_grad).
-   The rule is @backend-shared-training's mpt__gelu and
+   The rule is @backend-shared-layers' mpt__gelu and
    mpt__gelu_derivative, the same mathematics, evaluated otherwise: libm's
    erff and expf there (the portable build and the CUDA kernels run that),
    polynomials here, so the two differ in the last bits. Every element goes
@@ -40544,7 +40597,7 @@ static const mpt_backend *mpt__cpu_backend(void) {
     return &mpt__cpu_table;
 }
 
-#endif /* MPT__IMPLEMENTED */
+#endif /* MPT__IMPLEMENTED_TRAINING */
 #endif /* MPT_IMPLEMENTATION */
 
 

@@ -2880,9 +2880,9 @@ MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
    of functions the CPU backend (@impl-cpu-backend) and the CUDA one
    (mpt_cuda.cu) fill in. It stays in this half of the file, outside
    MPT_IMPLEMENTATION, because mpt_cuda.cu includes the header without
-   MPT_IMPLEMENTATION. The rules both backends run alike (@backend-shared)
-   open the implementation half, where MPT_BACKEND_SHARED reaches them
-   too. */
+   MPT_IMPLEMENTATION. The rules both backends run alike (@backend-shared,
+   -layers, -training) are in the implementation half, each part before
+   the code that runs it, where MPT_BACKEND_SHARED reaches them too. */
 
 /* =============================================================================
    @backend: the table of functions a compute backend implements

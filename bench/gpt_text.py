@@ -1,6 +1,7 @@
 """examples/gpt.c's text for its Python twins (bench/torch_gpt.py, bench/tf_gpt.py):
 the fortunes' files in name order, cut as mpt.h's text dataset cuts them."""
 import argparse
+import math
 import os
 import time
 
@@ -46,7 +47,34 @@ def arguments(description, policies):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--eval", type=int, default=1, help="0: no validation loss")
+    ap.add_argument("--warmup", type=int, default=0, help="steps of linear warm-up (gpt.c's)")
+    ap.add_argument("--cosine", type=float, default=None, metavar="ALPHA",
+                    help="a cosine decay to ALPHA·lr over the steps after the warm-up")
     return ap
+
+
+def rate_factor(args, t):
+    """The learning rate at optimizer step t (steps taken so far) as a
+    fraction of the base rate: mpt_lr_schedule's rule, which gpt.c's
+    --warmup and --cosine set (a linear warm-up (t + 1)/W over the first
+    W steps, then a cosine decay to alpha over the remaining steps, Keras'
+    CosineDecay); 1 for neither."""
+    w = args.warmup
+    if t < w:
+        return (t + 1) / w
+    if args.cosine is None:
+        return 1.0
+    d = args.steps - w
+    progress = min(t - w, d) / d
+    return (1 - args.cosine) * 0.5 * (1 + math.cos(math.pi * progress)) + args.cosine
+
+
+def schedule_fields(args):
+    """The JSON line's fields for a schedule, as gpt.c prints them (none
+    for a constant rate)."""
+    if not args.warmup and args.cosine is None:
+        return {}
+    return {"warmup": args.warmup, "cosine": -1 if args.cosine is None else args.cosine}
 
 
 def run_steps(args, step):
@@ -70,4 +98,7 @@ def parse(ap):
     args = ap.parse_args()
     if not 0 < args.timed_steps <= args.steps:
         ap.error("--timed-steps must be in 1..--steps")
+    if args.warmup < 0 or (args.cosine is not None and
+                           (not 0 <= args.cosine <= 1 or args.warmup >= args.steps)):
+        ap.error("--warmup must be >= 0, --cosine in 0..1 with a step after the warm-up")
     return args

@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_text import (  # noqa: E402  (shared with torch_gpt.py)
-    arguments, cut, parse, read_text, run_steps)
+    arguments, cut, parse, rate_factor, read_text, run_steps, schedule_fields)
 
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
 
@@ -118,7 +118,16 @@ def main():
     text = read_text(args.data)
     train, val = split(text)
     model = build_model(keras)
-    opt = keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.1, beta_1=0.9,
+    # the rate of every step, looked up by the optimizer's iteration count
+    # (0 at the first update): gpt.c's schedule, constant without one
+    rates = tf.constant([1e-3 * rate_factor(args, t) for t in range(args.steps + 1)],
+                        dtype=tf.float32)
+
+    class Schedule(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return tf.gather(rates, tf.minimum(tf.cast(step, tf.int32), args.steps))
+
+    opt = keras.optimizers.AdamW(learning_rate=Schedule(), weight_decay=0.1, beta_1=0.9,
                                  beta_2=0.999, epsilon=1e-7)
     opt.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -165,7 +174,8 @@ def main():
             "step_ms": round(1e3 * statistics.median(timed_s), 1),
             "train_loss": round(losses[-1], 4),
             "val_loss": None if val_loss is None else round(val_loss, 4),
-            "bits_per_char": None if val_loss is None else round(val_loss / math.log(2), 4)}
+            "bits_per_char": None if val_loss is None else round(val_loss / math.log(2), 4),
+            **schedule_fields(args)}
     print(json.dumps(line, separators=(",", ":")))
 
 

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt_text import (  # noqa: E402  (shared with tf_gpt.py)
-    arguments, cut, parse, read_text, run_steps)
+    arguments, cut, parse, rate_factor, read_text, run_steps, schedule_fields)
 
 VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 256, 128, 256, 4, 4
 
@@ -184,6 +184,8 @@ def main():
     model = GPT()
     model.train()
     opt = optimizer(model, 1e-3, 0.1)
+    # LambdaLR's t is the scheduler steps taken: one after each optimizer step
+    rates = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: rate_factor(args, t))
     autocast = args.policy == "autocast_bfloat16"
     attention = "sdpa" if hasattr(F, "scaled_dot_product_attention") else "masked_softmax"
     params = sum(p.numel() for p in model.parameters())
@@ -200,6 +202,7 @@ def main():
             loss = model(x, y)
         loss.backward()
         opt.step()
+        rates.step()
         return loss.item()
 
     losses, timed_s, seconds = run_steps(args, step)
@@ -213,7 +216,8 @@ def main():
             "step_ms": round(1e3 * statistics.median(timed_s), 1),
             "train_loss": round(losses[-1], 4),
             "val_loss": None if val_loss is None else round(val_loss, 4),
-            "bits_per_char": None if val_loss is None else round(val_loss / math.log(2), 4)}
+            "bits_per_char": None if val_loss is None else round(val_loss / math.log(2), 4),
+            **schedule_fields(args)}
     if args.config:
         line["config"] = args.config
     print(json.dumps(line, separators=(",", ":")))

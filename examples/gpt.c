@@ -14,7 +14,11 @@
    Run:   ./gpt [--data FILE] [--steps 1000] [--eval-interval 250]
                 [--batch-size 32] [--policy mixed_bfloat16] [--threads N]
                 [--seed 1] [--sample 300] [--verbose 1] [--profile DIR]
-                [--quantize dynamic_int8|float16]
+                [--quantize dynamic_int8|float16] [--warmup N] [--cosine ALPHA]
+   AdamW's rate is constant unless --warmup N (a linear warm-up over the
+   first N steps, lr·(t + 1)/N) or --cosine ALPHA (a cosine decay from
+   1e-3 to ALPHA·1e-3 over the steps after the warm-up, Keras'
+   CosineDecay; nanoGPT's floor is 0.1) are given: mpt_lr_schedule.
    Without --data it reads the English fortunes of Debian's `fortunes`
    package (every file of /usr/share/games/fortunes but the .dat indexes,
    in name order: about 2.6 MB). Shows Keras' progress bar per
@@ -54,16 +58,30 @@ typedef struct gpt_options {
     int threads, verbose;
     uint64_t seed;
     int64_t sample;          /* bytes of text to generate at the end          */
+    int64_t warmup;          /* --warmup: steps of linear warm-up (0: none)   */
+    double cosine;           /* --cosine ALPHA: the floor of a cosine decay
+                                over the steps after the warm-up, a fraction
+                                of the rate; < 0: a constant rate             */
     const char *profile_dir; /* NULL: no profile                              */
     const char *quantize_name; /* NULL: no quantized model                    */
     mpt_quantize_mode quantize;
 } gpt_options;
+
+/* A number in [0, 1] (--cosine's floor) into *out; 0 if value is not one. */
+static int read_fraction(const char *value, double *out) {
+    char *end;
+    double v = strtod(value, &end);
+    if (end == value || *end || !(v >= 0 && v <= 1)) return 0;
+    *out = v;
+    return 1;
+}
 
 static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
     int i;
     for (i = 1; i + 1 < argc; i += 2) {
         const char *flag = argv[i], *value = argv[i + 1];
         unsigned long long n;
+        double alpha;
         if (!strcmp(flag, "--data")) o->data = value;
         else if (!strcmp(flag, "--policy")) o->policy_name = value;
         else if (!strcmp(flag, "--profile")) o->profile_dir = value;
@@ -84,9 +102,13 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
             o->seed = (uint64_t)n;
         else if (!strcmp(flag, "--sample") && read_number(argv[0], flag, value, 1 << 20, &n))
             o->sample = (int64_t)n;
+        else if (!strcmp(flag, "--warmup") && read_number(argv[0], flag, value, INT32_MAX, &n))
+            o->warmup = (int64_t)n;
+        else if (!strcmp(flag, "--cosine") && read_fraction(value, &alpha)) o->cosine = alpha;
         else break;
     }
     if (!policy_named(o->policy_name, &o->policy)) i = -1;
+    if (o->cosine >= 0 && o->warmup >= o->steps) i = -1; /* no step left to decay over */
     if (!o->quantize_name) { /* none */
     } else if (!strcmp(o->quantize_name, "dynamic_int8")) {
         o->quantize = MPT_QUANTIZE_DYNAMIC_RANGE;
@@ -102,7 +124,8 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
                         "          [--batch-size N] [--policy float32|mixed_float16|"
                         "mixed_bfloat16]\n"
                         "          [--threads N] [--seed N] [--sample N] [--verbose 0|1|2]\n"
-                        "          [--profile DIR] [--quantize dynamic_int8|float16]\n",
+                        "          [--profile DIR] [--quantize dynamic_int8|float16]\n"
+                        "          [--warmup N] [--cosine ALPHA (0..1, below --steps' warm-up)]\n",
                 argv[0]);
         return 0;
     }
@@ -236,6 +259,17 @@ static mpt_node block(mpt_model *m, mpt_node x) {
     return residual(m, x, h);
 }
 
+/* --warmup and --cosine as the optimizer's schedule. */
+static mpt_lr_schedule learning_rate_schedule(const gpt_options *o) {
+    mpt_lr_schedule s = { .warmup_steps = o->warmup };
+    if (o->cosine >= 0) {
+        s.type = MPT_LR_COSINE_DECAY;
+        s.decay_steps = o->steps - o->warmup;
+        s.alpha = (float)o->cosine;
+    }
+    return s;
+}
+
 static mpt_status build_gpt(mpt_context *ctx, const gpt_options *o, mpt_model **model) {
     mpt_model *m;
     mpt_node tok, x;
@@ -258,7 +292,8 @@ static mpt_status build_gpt(mpt_context *ctx, const gpt_options *o, mpt_model **
         .kernel_initializer = MPT_INIT_GPT2_NORMAL });
     s = mpt_model_compile(m, &(mpt_compile_desc){
         .optimizer = { .type = MPT_OPTIMIZER_ADAMW, .learning_rate = 1e-3f,
-                       .weight_decay = 0.1f, .exclude_from_weight_decay = "bias,gamma,beta" },
+                       .weight_decay = 0.1f, .exclude_from_weight_decay = "bias,gamma,beta",
+                       .schedule = learning_rate_schedule(o) },
         .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY } });
     if (s == MPT_OK) s = mpt_model_build(m, o->batch_size);
     return s;
@@ -266,7 +301,8 @@ static mpt_status build_gpt(mpt_context *ctx, const gpt_options *o, mpt_model **
 
 int main(int argc, char **argv) {
     gpt_options o = { .steps = 1000, .eval_interval = 250, .batch_size = 32,
-                      .policy_name = "mixed_bfloat16", .verbose = 1, .seed = 1, .sample = 300 };
+                      .policy_name = "mixed_bfloat16", .verbose = 1, .seed = 1, .sample = 300,
+                      .cosine = -1 };
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *train, *val;
@@ -342,6 +378,8 @@ int main(int argc, char **argv) {
            o.policy_name, (long long)o.steps, (int)o.batch_size, CONTEXT,
            mpt_context_num_threads(ctx), tokens_per_s, mpt_logs_get(&result, "loss"),
            mpt_logs_get(&result, "loss") / log(2.0));
+    if (o.warmup || o.cosine >= 0)
+        printf(",\"warmup\":%lld,\"cosine\":%g", (long long)o.warmup, o.cosine);
     if (o.quantize_name)
         printf(",\"quantize\":\"%s\",\"quantized_val_loss\":%.4f,"
                "\"quantized_bits_per_char\":%.4f,\"predict_tokens_per_s\":%.0f,"

@@ -2711,8 +2711,9 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
 
    Both files take what the model takes: float32 samples (N, input shape...),
    NHWC, scaled as in training, or a model's int32 token ids (input_dtype
-   MPT_INT32: an int32 input in both), with N free; they return the last
-   layer's float32 outputs. What goes where:
+   MPT_INT32: an int32 input in both), with N free; they return the
+   model's float32 outputs (the last layer's, or each declared output's).
+   What goes where:
        Dense                  TFLite FULLY_CONNECTED     ONNX Gemm
        Dense on (N, ..., D)   FULLY_CONNECTED with       MatMul + Add (over
                               keep_num_dims              the last axis, NHWC)
@@ -2776,7 +2777,14 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
    graph.
    A graph (@layers' functional form) is written as its nodes connect; a
    shared layer's later call (mpt_apply_layer) as the layer again, named
-   "<name>/call<k>", with the same weights stored once more.
+   "<name>/call<k>", with the same weights stored once more. A model of
+   several inputs (mpt_model_add_input) takes them in its order: "input",
+   then each added input by its InputLayer's name (each tensor's name in
+   both files, as a Keras model's inputs are named); one of several
+   outputs (mpt_model_add_output) returns them in its order, ONNX naming
+   each after its layer ("output" where there is one), TFLite listing them
+   as the subgraph's outputs. A quantized model has one input and one
+   output (mpt_model_quantize refuses more).
    The weights are the float32 masters whatever the policy, so a model
    trained in mixed precision computes in float32 in the file (its outputs
    differ from a float16 predict's by float16's rounding).
@@ -35953,8 +35961,16 @@ static mpt_status mpt__export_graph(mpt__export_plan *pl) {
         pl->alias[i + 1] = i + 1;
         for (k = 0; k < L->n_in; k++) pl->uses[pl->alias[L->in_node[k]]]++;
     }
-    pl->uses[pl->alias[m->n_layers]]++;
+    for (k = 0; k < mpt__output_count(m); k++) pl->uses[pl->alias[mpt__output_node(m, k)]]++;
     return MPT_OK;
+}
+
+/* Whether node is (the value of) one of the model's outputs. */
+static int mpt__export_is_output(const mpt__export_plan *pl, int node) {
+    int k;
+    for (k = 0; k < mpt__output_count(pl->m); k++)
+        if (pl->alias[mpt__output_node(pl->m, k)] == node) return 1;
+    return 0;
 }
 
 static mpt_status mpt__export_unsupported(const mpt__export_plan *pl, const mpt__layer *L,
@@ -35985,7 +36001,7 @@ static const mpt__layer *mpt__export_unbatched_reader(const mpt__export_plan *pl
                                                       const mpt__layer *P) {
     const mpt_model *m = pl->m;
     int node = (int)(P - m->layers) + 1, i, k;
-    if (pl->alias[m->n_layers] == node) return P;
+    if (mpt__export_is_output(pl, node)) return P;
     for (i = 0; i < m->n_layers; i++) {
         const mpt__layer *L = &m->layers[i];
         int kind = L->ops->kind, reads = 0, batched = 0;
@@ -36075,6 +36091,7 @@ static mpt_status mpt__export_layer(mpt__export_plan *pl, int *cap, const mpt__l
     case MPT__LAYER_EMBEDDING: return mpt__export_table(pl, cap, L, MPT__EXPORT_EMBEDDING);
     case MPT__LAYER_POSITION_EMBEDDING: return mpt__export_positions(pl, cap, L);
     case MPT__LAYER_MULTI_HEAD_ATTENTION: return mpt__export_attention(pl, cap, L);
+    case MPT__LAYER_INPUT: return MPT_OK; /* one of the file's inputs (the writers') */
     default: return mpt__export_unsupported(pl, L, "has no counterpart in the export");
     }
 }
@@ -36202,12 +36219,6 @@ static mpt_status mpt__export(mpt_model *m, const char *format, const char *path
     size_t n = 0;
     mpt_status s;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (m->n_inputs > 1) /* the plan walks one input */
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export %s: not for a model of several "
-                         "inputs (%d) yet", format, m->n_inputs);
-    if (mpt__several_outputs(m)) /* ... to one output */
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "export %s: not for a model of several "
-                         "outputs (%d) yet", format, m->n_outputs);
     s = mpt__export_plan_init(&pl, m, format, path, desc);
     if (s == MPT_OK && mpt__strategy_is_chief(m->strategy)) {
         s = encode(&pl, &owned, &bytes, &n);
@@ -37695,7 +37706,8 @@ static size_t mpt__tfl_write_opcode(mpt__fb *b, int code) {
 
 /* The whole file: Model {version 3, operator_codes, subgraphs [one],
    description, buffers}. Positions are kept in one scratch array. */
-static mpt_status mpt__tfl_serialise(mpt__tfl *g, int32_t input, int32_t output, mpt__fb *b) {
+static mpt_status mpt__tfl_serialise(mpt__tfl *g, const int32_t *input, int n_in,
+                                     const int32_t *output, int n_out, mpt__fb *b) {
     mpt_context *ctx = g->pl->m->ctx;
     int n = MPT__MAX(MPT__MAX(g->n_tensors, g->n_ops), g->n_buffers), i, n_codes = 0;
     size_t *at = (size_t *)mpt__calloc(ctx, sizeof(size_t) * (size_t)n + 1);
@@ -37718,8 +37730,8 @@ static mpt_status mpt__tfl_serialise(mpt__tfl *g, int32_t input, int32_t output,
     operators = mpt__fb_offsets(b, at, g->n_ops);
     for (i = 0; i < n_codes; i++) at[i] = mpt__tfl_write_opcode(b, codes[i]);
     opcodes = mpt__fb_offsets(b, at, n_codes);
-    inputs = mpt__fb_int32s(b, &input, 1);
-    outputs = mpt__fb_int32s(b, &output, 1);
+    inputs = mpt__fb_int32s(b, input, n_in);
+    outputs = mpt__fb_int32s(b, output, n_out);
     name = mpt__fb_string(b, "main");
     mpt__fb_table_begin(b); /* SubGraph {tensors, inputs, outputs, operators, name} */
     mpt__fb_field_offset(b, 0, tensors);
@@ -37758,6 +37770,39 @@ static void mpt__tfl_free(mpt__tfl *g) {
     mpt__free(ctx, g->ops);
 }
 
+/* The float graph: its inputs (the model's, "input" then each added
+   input's InputLayer by its name) into input[], its steps, and its
+   outputs (each output node's value, in the model's order) into
+   output[]; *n_in and *n_out their counts. */
+static void mpt__tfl_float_graph(mpt__tfl *g, int32_t *input, int *n_in, int32_t *output,
+                                 int *n_out) {
+    mpt__export_plan *pl = g->pl;
+    mpt_model *m = pl->m;
+    int32_t *value; /* value[node]: its tensor */
+    int64_t shape[MPT_MAX_RANK - 1];
+    int i, k, rank = mpt_model_input_shape(m, shape);
+    *n_in = MPT__MAX(m->n_inputs, 1);
+    *n_out = mpt__output_count(m);
+    input[0] = output[0] = mpt__tfl_tensor_add(
+        g, "input", "", mpt__input_is_ids(m) ? MPT__TFL_INT32 : MPT__TFL_FLOAT32, rank, shape, 1, 0);
+    value = (int32_t *)mpt__calloc(m->ctx, sizeof(int32_t) * (size_t)(m->n_layers + 1));
+    if (!value) {
+        g->failed = 1;
+        return;
+    }
+    value[0] = input[0];
+    for (k = 1; k < *n_in; k++) {
+        const mpt__layer *L = &m->layers[m->input_layer[k]];
+        input[k] = value[m->input_layer[k] + 1] = mpt__tfl_tensor_add(
+            g, L->name, "", L->desc.input.ids ? MPT__TFL_INT32 : MPT__TFL_FLOAT32, L->out_rank,
+            L->out_shape, 1, 0);
+    }
+    for (i = 0; i < pl->n; i++)
+        value[pl->steps[i].out_node] = mpt__tfl_step(g, &pl->steps[i], value);
+    for (k = 0; k < *n_out; k++) output[k] = value[pl->alias[mpt__output_node(m, k)]];
+    mpt__free(m->ctx, value);
+}
+
 /* The TFLite file (mpt__export_encode_fn), built back to front: its
    bytes end the builder's buffer. */
 static mpt_status mpt__tfl_encode(mpt__export_plan *pl, unsigned char **owned,
@@ -37766,34 +37811,22 @@ static mpt_status mpt__tfl_encode(mpt__export_plan *pl, unsigned char **owned,
     mpt__tfl g;
     mpt__fb b;
     mpt_status s;
-    int32_t x, input, *value = NULL; /* value[node]: its tensor */
-    int64_t shape[MPT_MAX_RANK - 1];
-    int i, rank;
+    int32_t input[MPT_MAX_INPUTS], output[MPT_MAX_OUTPUTS];
+    int n_in = 1, n_out = 1;
     memset(&g, 0, sizeof g);
     memset(&b, 0, sizeof b);
     g.pl = pl;
     b.ctx = m->ctx;
     mpt__tfl_buffer_add(&g, NULL, 0); /* the empty sentinel */
-    if (m->quantized) {
-        x = mpt__tfl_quantized_graph(&g, m, &input);
-    } else {
-        rank = mpt_model_input_shape(m, shape);
-        x = input = mpt__tfl_tensor_add(&g, "input", "",
-                                        mpt__input_is_ids(m) ? MPT__TFL_INT32 : MPT__TFL_FLOAT32,
-                                        rank, shape, 1, 0);
-        value = (int32_t *)mpt__calloc(m->ctx, sizeof(int32_t) * (size_t)(m->n_layers + 1));
-        if (!value) g.failed = 1;
-        if (value) value[0] = input;
-        for (i = 0; value && i < pl->n; i++)
-            value[pl->steps[i].out_node] = mpt__tfl_step(&g, &pl->steps[i], value);
-        if (value) x = value[pl->alias[m->n_layers]];
-        mpt__free(m->ctx, value);
-    }
+    if (m->quantized)
+        output[0] = mpt__tfl_quantized_graph(&g, m, &input[0]);
+    else
+        mpt__tfl_float_graph(&g, input, &n_in, output, &n_out);
     if (g.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to TFLite '%s': out of memory",
                       pl->path);
     else
-        s = mpt__tfl_serialise(&g, input, x, &b);
+        s = mpt__tfl_serialise(&g, input, n_in, output, n_out, &b);
     *owned = b.data;
     if (s == MPT_OK) {
         *bytes = b.data + b.cap - b.size;
@@ -38511,14 +38544,25 @@ static void mpt__onnx_value_info(mpt__pb *b, int field, const char *name, int el
     mpt__pb_end(b, info);
 }
 
-/* ModelProto around the nodes and initializers; the running value is the
-   output, one sample of shape out_shape (out_rank); input and output of
-   ONNX type io_type, but int32 token ids in for a model that takes them. */
-static void mpt__onnx_model(mpt__onnx *o, int io_type, int in_rank, const int64_t *in_shape,
-                            int out_rank, const int64_t *out_shape, mpt__pb *b) {
+/* One of the graph's inputs or outputs: its name, an output's value (the
+   graph's value an Identity names so), its ONNX type and one sample's
+   shape. */
+typedef struct mpt__onnx_port {
+    char name[96], value[96];
+    int elem_type, rank;
+    int64_t shape[MPT_MAX_RANK - 1];
+} mpt__onnx_port;
+
+/* ModelProto around the nodes and initializers, with the graph's n_in
+   inputs and n_out outputs. */
+static void mpt__onnx_model(mpt__onnx *o, const mpt__onnx_port *in, int n_in,
+                            const mpt__onnx_port *out, int n_out, mpt__pb *b) {
     size_t graph, opset, body;
-    body = mpt__onnx_node(o, "Identity", "output", o->x, NULL, NULL);
-    mpt__pb_end(&o->nodes, body);
+    int k;
+    for (k = 0; k < n_out; k++) {
+        body = mpt__onnx_node(o, "Identity", out[k].name, out[k].value, NULL, NULL);
+        mpt__pb_end(&o->nodes, body);
+    }
     mpt__pb_int64(b, 1, MPT__ONNX_IR_VERSION);
     mpt__pb_string(b, 2, "mpt.h");
     mpt__pb_string(b, 3, MPT_VERSION);
@@ -38529,9 +38573,10 @@ static void mpt__onnx_model(mpt__onnx *o, int io_type, int in_rank, const int64_
     mpt__pb_bytes(b, o->nodes.data, o->nodes.size);
     mpt__pb_string(b, 2, "mpt");
     mpt__pb_bytes(b, o->inits.data, o->inits.size);
-    mpt__onnx_value_info(b, 11, "input", mpt__input_is_ids(o->pl->m) ? MPT__ONNX_INT32 : io_type,
-                         in_rank, in_shape);
-    mpt__onnx_value_info(b, 12, "output", io_type, out_rank, out_shape);
+    for (k = 0; k < n_in; k++)
+        mpt__onnx_value_info(b, 11, in[k].name, in[k].elem_type, in[k].rank, in[k].shape);
+    for (k = 0; k < n_out; k++)
+        mpt__onnx_value_info(b, 12, out[k].name, out[k].elem_type, out[k].rank, out[k].shape);
     mpt__pb_end(b, graph);
     if (o->nodes.failed || o->inits.failed) b->failed = 1;
 }
@@ -39118,42 +39163,89 @@ static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
 }
 
 /* The ONNX file (mpt__export_encode_fn). */
+/* The float graph's steps from its inputs ("input", then each added
+   input's InputLayer by its name, as the model orders them) to its
+   outputs ("output"; each output layer's name where there are several),
+   each brought back to NHWC. */
+static void mpt__onnx_float_graph(mpt__onnx *o, mpt__onnx_port *in, int *n_in,
+                                  mpt__onnx_port *out, int *n_out) {
+    mpt__export_plan *pl = o->pl;
+    mpt_model *m = pl->m;
+    mpt__onnx_value *values; /* values[node] */
+    int i, k;
+    *n_in = MPT__MAX(m->n_inputs, 1);
+    *n_out = mpt__output_count(m);
+    values = (mpt__onnx_value *)mpt__calloc(m->ctx, sizeof *values * (size_t)(m->n_layers + 1));
+    if (!values) {
+        o->nodes.failed = 1;
+        return;
+    }
+    mpt__onnx_save(o, &values[0]);
+    for (k = 1; k < *n_in; k++) { /* each added input: rank and shape its InputLayer's */
+        const mpt__layer *L = &m->layers[m->input_layer[k]];
+        mpt__onnx_value *v = &values[m->input_layer[k] + 1];
+        snprintf(in[k].name, sizeof in[k].name, "%s", L->name);
+        in[k].elem_type = L->desc.input.ids ? MPT__ONNX_INT32 : MPT__ONNX_FLOAT;
+        in[k].rank = L->out_rank;
+        memcpy(in[k].shape, L->out_shape, sizeof in[k].shape);
+        snprintf(v->x, sizeof v->x, "%s", L->name);
+        v->rank = 1 + L->out_rank;
+        v->nchw = 0;
+    }
+    for (i = 0; i < pl->n; i++) {
+        mpt__onnx_load(o, &values[pl->steps[i].in_node[0]]);
+        mpt__onnx_step(o, &pl->steps[i], values);
+        mpt__onnx_save(o, &values[pl->steps[i].out_node]);
+    }
+    for (k = 0; k < *n_out; k++) {
+        int node = pl->alias[mpt__output_node(m, k)];
+        mpt__onnx_load(o, &values[node]);
+        out[k].elem_type = MPT__ONNX_FLOAT;
+        if (node == 0) { /* the input itself */
+            out[k].rank = in[0].rank;
+            memcpy(out[k].shape, in[0].shape, sizeof out[k].shape);
+        } else {
+            const mpt__layer *L = &m->layers[node - 1];
+            mpt__onnx_layout(o, L, 0); /* an output is NHWC */
+            out[k].rank = L->out_rank;
+            memcpy(out[k].shape, L->out_shape, sizeof out[k].shape);
+        }
+        snprintf(out[k].name, sizeof out[k].name, "%s",
+                 *n_out == 1 ? "output" : mpt__output_layer(m, k)->name);
+        snprintf(out[k].value, sizeof out[k].value, "%s", o->x);
+    }
+    mpt__free(m->ctx, values);
+}
+
 static mpt_status mpt__onnx_encode(mpt__export_plan *pl, unsigned char **owned,
                                    const unsigned char **bytes, size_t *n) {
     mpt_model *m = pl->m;
     mpt__onnx o;
     mpt__pb b;
     mpt_status s = MPT_OK;
-    mpt__onnx_value *values = NULL; /* values[node] */
-    int64_t in_shape[MPT_MAX_RANK - 1], out_shape[MPT_MAX_RANK - 1];
-    int i, in_rank, out_rank;
+    mpt__onnx_port in[MPT_MAX_INPUTS], out[MPT_MAX_OUTPUTS];
+    int n_in = 1, n_out = 1;
     memset(&o, 0, sizeof o);
     memset(&b, 0, sizeof b);
+    memset(in, 0, sizeof in);
+    memset(out, 0, sizeof out);
     o.pl = pl;
     o.nodes.ctx = o.inits.ctx = b.ctx = m->ctx;
     snprintf(o.x, sizeof o.x, "input");
     o.rank = 1 + m->desc.input_rank;
     o.nchw = 0;
-    in_rank = mpt_model_input_shape(m, in_shape);
+    snprintf(in[0].name, sizeof in[0].name, "input");
+    in[0].elem_type = mpt__input_is_ids(m) ? MPT__ONNX_INT32 : mpt__onnx_io_type(m);
+    in[0].rank = mpt_model_input_shape(m, in[0].shape);
     if (m->quantized) {
-        out_rank = mpt__onnx_quantized_graph(&o, out_shape);
+        snprintf(out[0].name, sizeof out[0].name, "output");
+        out[0].elem_type = mpt__onnx_io_type(m);
+        out[0].rank = mpt__onnx_quantized_graph(&o, out[0].shape);
+        snprintf(out[0].value, sizeof out[0].value, "%s", o.x);
     } else {
-        values = (mpt__onnx_value *)mpt__calloc(m->ctx, sizeof *values *
-                                                            (size_t)(m->n_layers + 1));
-        if (!values) b.failed = 1;
-        if (values) mpt__onnx_save(&o, &values[0]);
-        for (i = 0; values && i < pl->n; i++) {
-            mpt__onnx_load(&o, &values[pl->steps[i].in_node[0]]);
-            mpt__onnx_step(&o, &pl->steps[i], values);
-            mpt__onnx_save(&o, &values[pl->steps[i].out_node]);
-        }
-        if (values) mpt__onnx_load(&o, &values[pl->alias[m->n_layers]]);
-        mpt__free(m->ctx, values);
-        if (pl->n) mpt__onnx_layout(&o, pl->steps[pl->n - 1].L, 0); /* the output is NHWC */
-        out_rank = pl->n ? mpt__export_out_shape(&pl->steps[pl->n - 1], out_shape) : in_rank;
-        if (!pl->n) memcpy(out_shape, in_shape, sizeof in_shape);
+        mpt__onnx_float_graph(&o, in, &n_in, out, &n_out);
     }
-    mpt__onnx_model(&o, mpt__onnx_io_type(m), in_rank, in_shape, out_rank, out_shape, &b);
+    mpt__onnx_model(&o, in, n_in, out, n_out, &b);
     if (b.failed)
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export to ONNX '%s': out of memory",
                       pl->path);

@@ -981,7 +981,7 @@ static void test_tflite_quantization(void) {
     mpt__tfl_op_add(&g, MPT__TFL_DEQUANTIZE, xi8, 0, 0, 1, xf);
     mpt__tfl_op_add(&g, MPT__TFL_DEQUANTIZE, wi8, 0, 0, 1, wf);
     mpt__tfl_op_add(&g, MPT__TFL_FULLY_CONNECTED, xf, wf, bf, 3, y);
-    CHECK(mpt__tfl_serialise(&g, input, y, &b) == MPT_OK &&
+    CHECK(mpt__tfl_serialise(&g, &input, 1, &y, 1, &b) == MPT_OK &&
               mpt__export_write(m, p, b.data + b.cap - b.size, b.size) == MPT_OK,
           "write: %s", mpt_context_error(ctx));
     f = fopen(path_of(script, "quantized.py"), "w");
@@ -1031,7 +1031,7 @@ static void test_onnx_qdq(void) {
     mpt__onnx o;
     mpt__pb b;
     char p[256], script[256], cmd[1024], bias_name[128];
-    int64_t four = 4, three = 3, w_dims[2] = {4, 3};
+    int64_t three = 3, w_dims[2] = {4, 3};
     unsigned char *data;
     size_t body;
     float x_scale = 0.05f;
@@ -1078,8 +1078,12 @@ static void test_onnx_qdq(void) {
     mpt__onnx_attr_int(&o.nodes, "axis", 1);
     mpt__pb_end(&o.nodes, body);
     mpt__pb_end(&o.nodes, mpt__onnx_node(&o, "Gemm", "y", "x", "w", bias_name));
-    snprintf(o.x, sizeof o.x, "y");
-    mpt__onnx_model(&o, MPT__ONNX_FLOAT, 1, &four, 1, &three, &b);
+    mpt__onnx_model(&o, &(mpt__onnx_port){.name = "input", .elem_type = MPT__ONNX_FLOAT,
+                                           .rank = 1, .shape = {4}},
+                    1,
+                    &(mpt__onnx_port){.name = "output", .value = "y",
+                                      .elem_type = MPT__ONNX_FLOAT, .rank = 1, .shape = {3}},
+                    1, &b);
     CHECK(!b.failed && mpt__export_write(m, p, b.data, b.size) == MPT_OK, "write: %s",
           mpt_context_error(ctx));
     f = fopen(path_of(script, "qdq.py"), "w");
@@ -1303,6 +1307,156 @@ static void test_positions_unbatched(void) {
         mpt_model_destroy(m);
     }
     mpt_context_destroy(q);
+}
+
+/* ---- several inputs and outputs -------------------------------------------------------- */
+
+#define MULTI_VEC 5
+#define MULTI_OUT (10 + 1 + 16) /* a sample's values over the three outputs */
+
+/* Keras' two-branch model: the image ("input") through Conv2D, a
+   BatchNormalization folded into it, ReLU and pooling; a vector
+   ("vector") through a Dense; concatenated into a Dense "trunk" that is
+   itself an output beside the two heads it feeds ("cls" and "reg"). */
+static mpt_model *multi_io_model(void) {
+    mpt_model *m = NULL;
+    mpt_node img, vec, both[2], trunk;
+    if (mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {28, 28, 1}, .input_rank = 3,
+                                                .seed = 3}, &m) != MPT_OK)
+        return NULL;
+    img = mpt_model_input(m);
+    vec = mpt_model_add_input(m, &(mpt_input_desc){.shape = {MULTI_VEC}, .rank = 1,
+                                                   .name = "vector"});
+    both[0] = mpt_conv2d(m, img, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3}});
+    both[0] = mpt_batch_normalization(m, both[0], NULL);
+    both[0] = mpt_activation_layer(m, both[0], &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    both[0] = mpt_max_pooling2d(m, both[0], &(mpt_pool2d_desc){.pool_size = {2, 2}});
+    both[0] = mpt_flatten(m, both[0], NULL);
+    both[1] = mpt_dense(m, vec, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    trunk = mpt_dense(m, mpt_concatenate(m, 2, both, NULL),
+                      &(mpt_dense_desc){.name = "trunk", .units = 16, .activation = MPT_ACT_RELU});
+    mpt_model_add_output(m, mpt_dense(m, trunk, &(mpt_dense_desc){
+                                              .name = "cls", .units = 10,
+                                              .activation = MPT_ACT_SOFTMAX}));
+    mpt_model_add_output(m, mpt_dense(m, trunk, &(mpt_dense_desc){.name = "reg", .units = 1}));
+    mpt_model_add_output(m, trunk);
+    if (mpt_model_compile(m, &(mpt_compile_desc){
+            .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                       {.type = MPT_LOSS_MEAN_SQUARED_ERROR},
+                       {.type = MPT_LOSS_MEAN_SQUARED_ERROR}}}) != MPT_OK ||
+        mpt_model_build(m, 16) != MPT_OK) {
+        mpt_model_destroy(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* Runs the two-input file in its runtime, feeding each input by its name,
+   and writes the outputs one after another (in the file's order: ONNX
+   Runtime's must be named cls, reg, trunk). */
+static const char *write_multi_script(char *buf) {
+    FILE *f = fopen(path_of(buf, "run_multi.py"), "w");
+    if (!f) return NULL;
+    fputs("import sys, numpy as np\n"
+          "fmt, model, n, xin, vin, out = sys.argv[1:7]\n"
+          "n = int(n)\n"
+          "feeds = {'input': np.fromfile(xin, dtype='<f4').reshape(n, 28, 28, 1),\n"
+          "         'vector': np.fromfile(vin, dtype='<f4').reshape(n, -1)}\n"
+          "if fmt == 'tflite':\n"
+          "    from ai_edge_litert.interpreter import Interpreter\n"
+          "    it = Interpreter(model_path=model)\n"
+          "    ins = it.get_input_details()\n"
+          "    assert sorted(d['name'] for d in ins) == ['input', 'vector'], ins\n"
+          "    for d in ins:\n"
+          "        it.resize_tensor_input(d['index'], list(feeds[d['name']].shape))\n"
+          "    it.allocate_tensors()\n"
+          "    for d in ins:\n"
+          "        it.set_tensor(d['index'], feeds[d['name']])\n"
+          "    it.invoke()\n"
+          "    ys = [it.get_tensor(d['index']) for d in it.get_output_details()]\n"
+          "else:\n"
+          "    import onnx, onnxruntime as ort\n"
+          "    onnx.checker.check_model(onnx.load(model), full_check=True)\n"
+          "    s = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
+          "    names = [o.name for o in s.get_outputs()]\n"
+          "    assert names == ['cls', 'reg', 'trunk'], names\n"
+          "    ys = s.run(None, feeds)\n"
+          "assert len(ys) == 3, len(ys)\n"
+          "y = np.concatenate([np.ascontiguousarray(y, dtype='<f4').reshape(n, -1) for y in ys], 1)\n"
+          "y.tofile(out)\n",
+          f);
+    fclose(f);
+    return buf;
+}
+
+/* A model of two inputs and three outputs (one of them read by the other
+   two), exported to both formats with float32 and float16 weights: each
+   runtime's outputs, fed by input name, are predict_outputs' within
+   1e-4 with float32 weights; with float16 ones within 1e-2 (the file's
+   kernels, the BatchNormalization folded into the Conv2D's among them,
+   are rounded to float16, 2^-11 relative each, where mpt.h predicts with
+   the float32 ones; check_float holds float16 files to 1e-4 on models
+   without a fold). Inputs or outputs wired to the wrong tensors differ
+   by far more. */
+static void test_several_inputs_and_outputs(void) {
+    static float x[N_SAMPLES * SAMPLE], v[N_SAMPLES * MULTI_VEC], want[N_SAMPLES * MULTI_OUT],
+        got[N_SAMPLES * MULTI_OUT + 1];
+    static const char *const fmts[2] = {"tflite", "onnx"};
+    mpt_model *m;
+    mpt_tensor tx, tv, outs[3];
+    const mpt_tensor *inputs[2] = {&tx, &tv};
+    mpt_dataset *data = NULL;
+    char script[256], x_path[256], v_path[256], y_path[256], file[256], cmd[1600], name[64];
+    int i, k, w, widths[3] = {10, 1, 16};
+    FILE *f;
+    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) return;
+    test_seed(77);
+    m = multi_io_model();
+    CHECK(m != NULL, "model: %s", mpt_context_error(ctx));
+    if (!m) return;
+    randomize(m);
+    for (i = 0; i < N_SAMPLES * SAMPLE; i++) x[i] = (float)test_uniform(0, 1);
+    for (i = 0; i < N_SAMPLES * MULTI_VEC; i++) v[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
+    mpt_tensor_wrap(ctx, &tv, MPT_FLOAT32, 2, (int64_t[]){N_SAMPLES, MULTI_VEC}, v);
+    memset(outs, 0, sizeof outs);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = inputs, .input_count = 2},
+                             &data) == MPT_OK &&
+              mpt_model_predict_outputs(m, data, 16, 3, outs) == MPT_OK,
+          "predict: %s", mpt_context_error(ctx));
+    for (i = 0; i < N_SAMPLES; i++) /* a sample's outputs side by side, as the script writes */
+        for (k = 0, w = 0; k < 3; w += widths[k], k++)
+            if (outs[k].data)
+                memcpy(want + i * MULTI_OUT + w, (const float *)outs[k].data + i * widths[k],
+                       sizeof(float) * (size_t)widths[k]);
+    f = fopen(path_of(x_path, "multi_x.bin"), "wb");
+    if (f) fwrite(x, sizeof(float), N_SAMPLES * SAMPLE, f), fclose(f);
+    f = fopen(path_of(v_path, "multi_v.bin"), "wb");
+    if (f) fwrite(v, sizeof(float), N_SAMPLES * MULTI_VEC, f), fclose(f);
+    write_multi_script(script);
+    for (w = 0; w < 2; w++) {
+        mpt_export_desc desc = {.weight_dtype = w ? MPT_FLOAT16 : MPT_FLOAT32};
+        for (k = 0; k < 2; k++) {
+            long n = 0;
+            snprintf(name, sizeof name, "multi_%s.%s", w ? "f16" : "f32", fmts[k]);
+            CHECK((k ? mpt_model_export_onnx(m, path_of(file, name), &desc)
+                     : mpt_model_export_tflite(m, path_of(file, name), &desc)) == MPT_OK,
+                  "export %s: %s", name, mpt_context_error(ctx));
+            remove(path_of(y_path, "multi_y.bin"));
+            snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s %s %s", test_python(), script, fmts[k],
+                     file, N_SAMPLES, x_path, v_path, y_path);
+            CHECK(system(cmd) == 0, "the runtime failed on %s (%s)", name, cmd);
+            f = fopen(y_path, "rb");
+            if (f) n = (long)fread(got, sizeof(float), N_SAMPLES * MULTI_OUT + 1, f), fclose(f);
+            CHECK(n == N_SAMPLES * MULTI_OUT, "%s gave %ld values, mpt.h %d", name, n,
+                  N_SAMPLES * MULTI_OUT);
+            if (n == N_SAMPLES * MULTI_OUT)
+                compare(name, got, want, n, MULTI_OUT, w ? 1e-2 : 1e-4, 1);
+        }
+    }
+    for (k = 0; k < 3; k++) mpt_tensor_free(ctx, &outs[k]);
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(m);
 }
 
 static void test_unbuilt_model(void) {
@@ -2221,6 +2375,7 @@ int main(void) {
     TEST_RUN(test_unsupported_layer);
     TEST_RUN(test_tokens_quantized);
     TEST_RUN(test_positions_unbatched);
+    TEST_RUN(test_several_inputs_and_outputs);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_quantized_weight_dtype);
     TEST_RUN(test_unwritable_path);

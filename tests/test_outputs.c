@@ -934,14 +934,8 @@ static void test_unsupported(void) {
     mpt_tensor t, x;
     float xs[2 * F] = {0};
     int64_t shape[2] = {2, F};
-    char path[600];
     int32_t ids[4];
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(quiet));
-    snprintf(path, sizeof path, "%s/export.bin", tmpdir);
-    test_expect_error(quiet, mpt_model_export_onnx(m, path, NULL), MPT_ERR_UNSUPPORTED,
-                      "several outputs", "export onnx");
-    test_expect_error(quiet, mpt_model_export_tflite(m, path, NULL), MPT_ERR_UNSUPPORTED,
-                      "several outputs", "export tflite");
     test_expect_error(quiet, mpt_model_quantize(m, &(mpt_quantize_desc){
                                                        .mode = MPT_QUANTIZE_DYNAMIC_RANGE},
                                                 &r),

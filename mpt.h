@@ -14041,31 +14041,51 @@ static mpt_status mpt__check_dataset_x(mpt_context *ctx, const char *what, const
     return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, what, x) : MPT_OK;
 }
 
+/* t (`what`) must hold as many samples as ref (`ref_what`). */
+static mpt_status mpt__check_dataset_samples(mpt_context *ctx, const char *what,
+                                             const mpt_tensor *t, const char *ref_what,
+                                             const mpt_tensor *ref) {
+    char st[96], sr[96];
+    if (t->shape[0] == ref->shape[0]) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: %s %s has %lld samples but %s %s has %lld",
+                     what, mpt_shape_format(st, sizeof st, t->rank, t->shape),
+                     (long long)t->shape[0], ref_what,
+                     mpt_shape_format(sr, sizeof sr, ref->rank, ref->shape),
+                     (long long)ref->shape[0]);
+}
+
+/* A list of several, desc->inputs (labels 0) or desc->labels (1): set
+   instead of x (y), and of 1..MPT_MAX_INPUTS (MPT_MAX_OUTPUTS) tensors. */
+static mpt_status mpt__check_dataset_list(mpt_context *ctx, const mpt_dataset_desc *desc,
+                                          int labels) {
+    const char *one = labels ? "y" : "x", *list = labels ? "labels" : "inputs";
+    const int set = labels ? desc->labels != NULL : desc->inputs != NULL;
+    const int count = labels ? desc->label_count : desc->input_count;
+    const int most = labels ? MPT_MAX_OUTPUTS : MPT_MAX_INPUTS;
+    if (labels ? desc->y != NULL : desc->x != NULL)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: %s and %s are both set: a "
+                         "dataset of several %s has them all in %s (%s NULL)", one, list,
+                         labels ? "outputs' labels" : "inputs", list, one);
+    if (!set || count < 1 || count > most)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: %s_count %d is not in 1..%d "
+                         "(MPT_MAX_%s)%s%s%s", labels ? "label" : "input", count, most,
+                         labels ? "OUTPUTS" : "INPUTS", set ? "" : ", or ", set ? "" : list,
+                         set ? "" : " is NULL");
+    return MPT_OK;
+}
+
 /* desc->inputs: 1..MPT_MAX_INPUTS tensors, each as x may be, of one count;
    x NULL. */
 static mpt_status mpt__check_dataset_inputs(mpt_context *ctx, const mpt_dataset_desc *desc) {
-    char what[32], s0[96], sk[96];
+    char what[32];
     int k;
-    if (desc->x)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x and inputs are both set: "
-                         "a dataset of several inputs has them all in inputs (x NULL)");
-    if (!desc->inputs || desc->input_count < 1 || desc->input_count > MPT_MAX_INPUTS)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: input_count %d is not in "
-                         "1..%d (MPT_MAX_INPUTS)%s", desc->input_count, MPT_MAX_INPUTS,
-                         desc->inputs ? "" : ", or inputs is NULL");
+    MPT__CHECK(mpt__check_dataset_list(ctx, desc, 0));
     for (k = 0; k < desc->input_count; k++) {
         const mpt_tensor *t = desc->inputs[k];
         snprintf(what, sizeof what, "inputs[%d]", k);
         MPT__CHECK(mpt__check_dataset_tensor(ctx, what, t));
         MPT__CHECK(mpt__check_dataset_x(ctx, what, t));
-        if (t->shape[0] != desc->inputs[0]->shape[0])
-            return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: inputs[%d] %s has %lld samples but "
-                             "inputs[0] %s has %lld", k,
-                             mpt_shape_format(sk, sizeof sk, t->rank, t->shape),
-                             (long long)t->shape[0],
-                             mpt_shape_format(s0, sizeof s0, desc->inputs[0]->rank,
-                                              desc->inputs[0]->shape),
-                             (long long)desc->inputs[0]->shape[0]);
+        MPT__CHECK(mpt__check_dataset_samples(ctx, what, t, "inputs[0]", desc->inputs[0]));
     }
     return MPT_OK;
 }
@@ -14094,61 +14114,40 @@ static mpt_status mpt__check_dataset_y(mpt_context *ctx, const char *what, const
    count (inputs[0]'s); y NULL. Label 0 is then checked as y. */
 static mpt_status mpt__check_dataset_labels(mpt_context *ctx, const mpt_dataset_desc *desc) {
     const mpt_tensor *x = desc->x ? desc->x : desc->inputs ? desc->inputs[0] : NULL;
-    char what[32], sx[96], sk[96];
+    char what[32];
     int k;
-    if (desc->y)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: y and labels are both set: "
-                         "a dataset of several outputs' labels has them all in labels (y NULL)");
-    if (!desc->labels || desc->label_count < 1 || desc->label_count > MPT_MAX_OUTPUTS)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: label_count %d is not in "
-                         "1..%d (MPT_MAX_OUTPUTS)%s", desc->label_count, MPT_MAX_OUTPUTS,
-                         desc->labels ? "" : ", or labels is NULL");
+    MPT__CHECK(mpt__check_dataset_list(ctx, desc, 1));
     for (k = 1; k < desc->label_count; k++) { /* label 0 is checked as y */
         const mpt_tensor *t = desc->labels[k];
         snprintf(what, sizeof what, "labels[%d]", k);
         MPT__CHECK(mpt__check_dataset_tensor(ctx, what, t));
-        if (x && x->rank >= 1 && t->shape[0] != x->shape[0])
-            return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: labels[%d] %s has %lld samples but "
-                             "x %s has %lld", k,
-                             mpt_shape_format(sk, sizeof sk, t->rank, t->shape),
-                             (long long)t->shape[0],
-                             mpt_shape_format(sx, sizeof sx, x->rank, x->shape),
-                             (long long)x->shape[0]);
+        if (x && x->rank >= 1) MPT__CHECK(mpt__check_dataset_samples(ctx, what, t, "x", x));
         MPT__CHECK(mpt__check_dataset_y(ctx, what, t));
     }
     return MPT_OK;
 }
 
-static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_desc *desc) {
-    char sx[96], sy[96];
+/* The whole descriptor, into *one as the dataset takes it: desc with
+   labels[0] as y and inputs[0] as x, the lists checked first and the
+   rest of the checks then made on those. */
+static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_desc *desc,
+                                          mpt_dataset_desc *one) {
     if (!desc) /* NULL: every default, but x is required */
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x is required (NULL "
                          "descriptor)");
+    *one = *desc;
     if (desc->labels || desc->label_count) {
-        mpt_dataset_desc first = *desc; /* the rest of the checks on labels[0] as y */
         MPT__CHECK(mpt__check_dataset_labels(ctx, desc));
-        first.y = desc->labels[0];
-        first.labels = NULL;
-        first.label_count = 0;
-        return mpt__check_dataset_desc(ctx, &first);
+        one->y = desc->labels[0];
     }
     if (desc->inputs || desc->input_count) {
-        mpt_dataset_desc first = *desc; /* the rest of the checks on inputs[0] as x */
         MPT__CHECK(mpt__check_dataset_inputs(ctx, desc));
-        first.x = desc->inputs[0];
-        first.inputs = NULL;
-        first.input_count = 0;
-        return mpt__check_dataset_desc(ctx, &first);
+        one->x = desc->inputs[0];
     }
+    desc = one;
     MPT__CHECK(mpt__check_dataset_tensor(ctx, "x", desc->x));
     if (desc->y) MPT__CHECK(mpt__check_dataset_tensor(ctx, "y", desc->y));
-    if (desc->y && desc->x->shape[0] != desc->y->shape[0])
-        return mpt__fail(ctx, MPT_ERR_SHAPE,
-                         "dataset: x %s has %lld samples but y %s has %lld",
-                         mpt_shape_format(sx, sizeof sx, desc->x->rank, desc->x->shape),
-                         (long long)desc->x->shape[0],
-                         mpt_shape_format(sy, sizeof sy, desc->y->rank, desc->y->shape),
-                         (long long)desc->y->shape[0]);
+    if (desc->y) MPT__CHECK(mpt__check_dataset_samples(ctx, "x", desc->x, "y", desc->y));
     if (!isfinite(desc->scale) || !isfinite(desc->offset))
         return mpt__fail(ctx, MPT_ERR_NUMERIC, "dataset: scale %g and offset %g must be finite",
                          (double)desc->scale, (double)desc->offset);
@@ -14405,15 +14404,13 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
                                      mpt_dataset **out) {
     mpt_dataset *d;
     mpt_status s;
-    mpt_dataset_desc several;
+    mpt_dataset_desc one;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL out");
     *out = NULL;
-    MPT__CHECK(mpt__check_dataset_desc(ctx, desc));
-    several = *desc;
-    if (desc->inputs) several.x = desc->inputs[0]; /* inputs[0] is x; the others in d->in */
-    if (desc->labels) several.y = desc->labels[0]; /* labels[0] is y; the others in d->lab */
-    desc = &several;
+    /* inputs[0] is x, labels[0] y; the others go in d->in and d->lab */
+    MPT__CHECK(mpt__check_dataset_desc(ctx, desc, &one));
+    desc = &one;
     d = mpt__dataset_new(ctx);
     if (!d) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset: out of memory");
     d->n = desc->x->shape[0];

@@ -36812,8 +36812,9 @@ static int32_t mpt__tfl_layer_norm(mpt__tfl *g, const mpt__export_step *s, int32
 
 /* ---- MultiHeadAttention from TFLite's builtins -------------------------------- */
 
-/* A float32 constant that is part of an op, not a weight (the scale, the
-   causal mask): float32 whatever the weights' dtype. */
+/* A float32 constant whatever the weights' dtype: part of an op, not a
+   weight (the scale, the causal mask), or a quantized model's float bias
+   (@impl-tflite-quantized). */
 static int32_t mpt__tfl_float32_tensor(mpt__tfl *g, const char *layer, const char *what,
                                        int rank, const int64_t *shape, const float *values) {
     int64_t n = mpt__shape_count(rank, shape), i;
@@ -37159,19 +37160,8 @@ static int32_t mpt__tfl_q_output(mpt__tfl *g, const mpt_quantized_layer *L) {
 
 /* A float16 or dynamic-range model's float32 bias, as the model keeps it. */
 static int32_t mpt__tfl_q_float_bias(mpt__tfl *g, const mpt_quantized_layer *L) {
-    int64_t F = L->out_channels, k;
-    unsigned char *b = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4 * (size_t)F + 1);
-    if (!b) {
-        g->failed = 1;
-        return 0;
-    }
-    for (k = 0; k < F; k++) {
-        uint32_t bits;
-        memcpy(&bits, &L->bias[k], 4);
-        mpt__tb_put_le(b + 4 * k, bits, 4);
-    }
-    return mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_FLOAT32, 1, &F, 0,
-                               mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+    const int64_t F = L->out_channels;
+    return mpt__tfl_float32_tensor(g, L->name, "bias", 1, &F, L->bias);
 }
 
 /* A float16 model's kernel (float16, with a DEQUANTIZE to float32 as

@@ -20788,13 +20788,16 @@ static mpt_status mpt__cb_early_stopping_train_end(void *user, mpt_model *m, con
     return MPT_OK;
 }
 
+/* A count of epochs the callback `what` takes (its field `name`): >= 0. */
+static mpt_status mpt__cb_check_epochs(mpt_context *ctx, const char *what, const char *name,
+                                       int epochs) {
+    if (epochs >= 0) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: %s %d must be >= 0", what, name, epochs);
+}
+
 static mpt_status mpt__cb_early_stopping_check(mpt_context *ctx, const mpt_early_stopping_desc *d) {
-    if (d->patience < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "EarlyStopping: patience %d must be >= 0", d->patience);
-    if (d->start_from_epoch < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "EarlyStopping: start_from_epoch %d must be >= 0", d->start_from_epoch);
+    MPT__CHECK(mpt__cb_check_epochs(ctx, "EarlyStopping", "patience", d->patience));
+    MPT__CHECK(mpt__cb_check_epochs(ctx, "EarlyStopping", "start_from_epoch", d->start_from_epoch));
     if (d->has_baseline && isnan(d->baseline))
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "EarlyStopping: baseline is NaN; nothing could ever beat it");
@@ -20919,12 +20922,8 @@ static mpt_status mpt__cb_reduce_lr_check(mpt_context *ctx, const mpt_reduce_lr_
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "ReduceLROnPlateau: factor %g must be in (0, 1) (0: the default 0.1); "
                          "a factor >= 1 would not reduce the rate", (double)d->factor);
-    if (d->patience < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "ReduceLROnPlateau: patience %d must be >= 0", d->patience);
-    if (d->cooldown < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "ReduceLROnPlateau: cooldown %d must be >= 0", d->cooldown);
+    MPT__CHECK(mpt__cb_check_epochs(ctx, "ReduceLROnPlateau", "patience", d->patience));
+    MPT__CHECK(mpt__cb_check_epochs(ctx, "ReduceLROnPlateau", "cooldown", d->cooldown));
     if (!(d->min_lr >= 0 && d->min_lr < INFINITY))
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "ReduceLROnPlateau: min_lr %g must be finite and >= 0", (double)d->min_lr);

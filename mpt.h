@@ -23638,26 +23638,43 @@ static int mpt__st_put_utf8(char *w, uint32_t cp) {
     return 4;
 }
 
-/* Decodes the \u escape at json[r] (the backslash) into *cp; *len gets the
-   bytes it took (6, or 12 for a surrogate pair). */
-static mpt_status mpt__st_unicode_escape(mpt__st_file *f, int64_t r, uint32_t *cp, int *len) {
-    const char *j = f->json;
+/* What mpt__st_u_escape finds wrong with a \u escape, or MPT__U_OK. */
+enum { MPT__U_OK, MPT__U_HEX, MPT__U_LONE_LOW, MPT__U_LONE_HIGH, MPT__U_NUL };
+
+/* The rule of a \u escape, for both JSON readers (a safetensors header's,
+   @impl-json's): at text[at] (the backslash; n bytes in all) 4 hex digits,
+   a high surrogate followed by the \u escape of a low one, NUL refused.
+   Its code point into *cp and its bytes into *len (6, or 12 for a
+   surrogate pair); else what is wrong, *cp the first escape's value where
+   it was read. */
+static int mpt__st_u_escape(const char *text, int64_t at, int64_t n, uint32_t *cp, int *len) {
     uint32_t lo;
-    if (r + 6 > f->n || !mpt__st_hex4(j + r + 2, cp))
-        return mpt__st_bad(f, r, "\\u must be followed by 4 hex digits");
+    if (at + 6 > n || !mpt__st_hex4(text + at + 2, cp)) return MPT__U_HEX;
     *len = 6;
-    if (*cp >= 0xdc00 && *cp <= 0xdfff)
-        return mpt__st_bad(f, r, "\\u%04x is a low surrogate without a high one", (unsigned)*cp);
+    if (*cp >= 0xdc00 && *cp <= 0xdfff) return MPT__U_LONE_LOW;
     if (*cp >= 0xd800 && *cp <= 0xdbff) {
-        if (r + 12 > f->n || j[r + 6] != '\\' || j[r + 7] != 'u' || !mpt__st_hex4(j + r + 8, &lo) ||
-            lo < 0xdc00 || lo > 0xdfff)
-            return mpt__st_bad(f, r, "\\u%04x is a high surrogate without a low one after it",
-                               (unsigned)*cp);
+        if (at + 12 > n || text[at + 6] != '\\' || text[at + 7] != 'u' ||
+            !mpt__st_hex4(text + at + 8, &lo) || lo < 0xdc00 || lo > 0xdfff)
+            return MPT__U_LONE_HIGH;
         *cp = 0x10000 + ((*cp - 0xd800) << 10) + (lo - 0xdc00);
         *len = 12;
     }
-    if (*cp == 0) return mpt__st_bad(f, r, "\\u0000 in a string is not supported");
-    return MPT_OK;
+    return *cp == 0 ? MPT__U_NUL : MPT__U_OK;
+}
+
+/* Decodes the \u escape at json[r] (the backslash) into *cp; *len gets the
+   bytes it took (6, or 12 for a surrogate pair). */
+static mpt_status mpt__st_unicode_escape(mpt__st_file *f, int64_t r, uint32_t *cp, int *len) {
+    switch (mpt__st_u_escape(f->json, r, f->n, cp, len)) {
+    case MPT__U_HEX: return mpt__st_bad(f, r, "\\u must be followed by 4 hex digits");
+    case MPT__U_LONE_LOW:
+        return mpt__st_bad(f, r, "\\u%04x is a low surrogate without a high one", (unsigned)*cp);
+    case MPT__U_LONE_HIGH:
+        return mpt__st_bad(f, r, "\\u%04x is a high surrogate without a low one after it",
+                           (unsigned)*cp);
+    case MPT__U_NUL: return mpt__st_bad(f, r, "\\u0000 in a string is not supported");
+    default: return MPT_OK;
+    }
 }
 
 /* Decodes the escape at json[*r] (the backslash) to json[*w...]. Decoding
@@ -25029,24 +25046,16 @@ static int mpt__json_new(mpt__json *j, char type, const char *key) {
     return j->n++;
 }
 
-/* Four hex digits at text[at..at+3] (@impl-safetensors' reader), or -1. */
-static long mpt__json_hex4(const mpt__json *j, int64_t at) {
-    uint32_t v;
-    return at + 4 <= j->len && mpt__st_hex4(j->text + at, &v) ? (long)v : -1;
-}
-
 /* A \u escape at pos (the 'u'), a surrogate pair taking two: its code
-   point, or -1 when malformed; pos moves past it. */
+   point, or -1 when malformed (mpt__st_u_escape's rule); pos moves past
+   it, or past its first 4 hex digits' place when malformed. */
 static long mpt__json_code_point(mpt__json *j) {
-    long hi = mpt__json_hex4(j, j->pos + 1), lo;
-    j->pos += 5;
-    if (hi < 0 || (hi >= 0xDC00 && hi < 0xE000) || hi == 0) return -1; /* no lone low, no NUL */
-    if (hi < 0xD800 || hi >= 0xDC00) return hi;
-    if (j->pos + 6 > j->len || j->text[j->pos] != '\\' || j->text[j->pos + 1] != 'u') return -1;
-    lo = mpt__json_hex4(j, j->pos + 2);
-    if (lo < 0xDC00 || lo >= 0xE000) return -1;
-    j->pos += 6;
-    return 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+    const int64_t at = j->pos - 1; /* the backslash */
+    uint32_t cp = 0;
+    int len = 6;
+    const int wrong = mpt__st_u_escape(j->text, at, j->len, &cp, &len);
+    j->pos = at + (wrong ? 6 : len);
+    return wrong ? -1 : (long)cp;
 }
 
 /* The string at pos (its opening quote), unescaped in place and

@@ -15370,24 +15370,13 @@ MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out) {
 
 /* Running sums of one pass over data. */
 typedef struct mpt__tally {
-    double loss_sum;     /* Σ batch mean loss · batch size */
-    int64_t samples;
-    double correct;      /* accuracy: samples right, a sample of several
-                            positions in the fraction of them right   */
-    double top_k;        /* sparse top-k accuracy, alike              */
-    double abs_error;    /* Σ over samples of their mean |y − p|,     */
-    double squared_error; /* (y − p)² and                             */
-    double percent_error; /* 100·|y − p| / max(|y|, ε)                */
-    double tp, fp, fn;   /* output values: true positives, false ones,
-                            false negatives                           */
-    /* weighted_metrics: Σ weights and the sums above, each sample's times
-       its weight */
-    double weight_sum, weighted_correct, weighted_top_k, weighted_abs_error,
-        weighted_squared_error, weighted_percent_error, weighted_tp, weighted_fp, weighted_fn;
+    mpt_step_state record; /* the backend's sums: the loss, the metrics'
+                              tallies and the weighted ones (output 0's) */
+    int64_t samples;       /* record.samples                            */
     /* r2_score and auc, finished from their sums (mpt__metric_sums_finish) */
     double r2, auc, weighted_r2, weighted_auc;
-    /* A model of several outputs: outputs 1..'s records (the fields above
-       are output 0's); [0] unused. */
+    /* A model of several outputs: outputs 1..'s records (`record` is
+       output 0's); [0] unused. */
     mpt_step_state output[MPT_MAX_OUTPUTS];
 } mpt__tally;
 
@@ -15437,25 +15426,8 @@ static void mpt__metric_sums_finish(const mpt_model *m, const double *record, mp
 
 /* A tally from the backend's record of it. */
 static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
-    t->loss_sum = st->loss_sum;
+    t->record = *st;
     t->samples = (int64_t)st->samples;
-    t->correct = st->correct;
-    t->top_k = st->top_k;
-    t->abs_error = st->abs_error;
-    t->squared_error = st->squared_error;
-    t->percent_error = st->percent_error;
-    t->tp = st->true_positives;
-    t->fp = st->false_positives;
-    t->fn = st->false_negatives;
-    t->weight_sum = st->weight_sum;
-    t->weighted_correct = st->weighted_correct;
-    t->weighted_top_k = st->weighted_top_k;
-    t->weighted_abs_error = st->weighted_abs_error;
-    t->weighted_squared_error = st->weighted_squared_error;
-    t->weighted_percent_error = st->weighted_percent_error;
-    t->weighted_tp = st->weighted_true_positives;
-    t->weighted_fp = st->weighted_false_positives;
-    t->weighted_fn = st->weighted_false_negatives;
 }
 
 /* One list of metrics' values into logs: each metric named as Keras
@@ -15472,6 +15444,38 @@ typedef struct mpt__metric_counts {
     double count, correct, top_k, abs_error, squared_error, percent_error, tp, fp, fn;
     double r2, auc; /* finished already */
 } mpt__metric_counts;
+
+/* One list of a record's counts: the plain ones over `samples`, or
+   (weighted) the weighted ones over Σ weights; r2 and auc, finished
+   apart, as given. */
+static mpt__metric_counts mpt__record_counts(const mpt_step_state *st, int weighted,
+                                             int64_t samples, double r2, double auc) {
+    mpt__metric_counts c;
+    if (weighted) {
+        c.count = st->weight_sum;
+        c.correct = st->weighted_correct;
+        c.top_k = st->weighted_top_k;
+        c.abs_error = st->weighted_abs_error;
+        c.squared_error = st->weighted_squared_error;
+        c.percent_error = st->weighted_percent_error;
+        c.tp = st->weighted_true_positives;
+        c.fp = st->weighted_false_positives;
+        c.fn = st->weighted_false_negatives;
+    } else {
+        c.count = (double)samples;
+        c.correct = st->correct;
+        c.top_k = st->top_k;
+        c.abs_error = st->abs_error;
+        c.squared_error = st->squared_error;
+        c.percent_error = st->percent_error;
+        c.tp = st->true_positives;
+        c.fp = st->false_positives;
+        c.fn = st->false_negatives;
+    }
+    c.r2 = r2;
+    c.auc = auc;
+    return c;
+}
 
 static const char *const mpt__log_slot_name[MPT__LOG_SLOTS] = {
     "loss", "accuracy", "sparse_top_k_categorical_accuracy", "top_k_categorical_accuracy",
@@ -15522,37 +15526,28 @@ static void mpt__metric_logs(mpt_loss_type loss, int metrics, const mpt__metric_
 #undef MPT__LOG
 }
 
+/* Output k's record: t->record for output 0, t->output[k] for the others. */
+static const mpt_step_state *mpt__tally_output(const mpt__tally *t, int k) {
+    return k ? &t->output[k] : &t->record;
+}
+
 /* A model of several outputs: "loss", the weighted sum Σ w_k · loss_k of
    the outputs' mean losses, then each output's loss and metrics under
-   its names. Output 0's counts are `first` (the tally's own fields), the
-   others' come from their records in t->output. The outputs' records
-   count the same samples. */
-static void mpt__outputs_logs(const mpt_model *m, const mpt__tally *t,
-                              const mpt__metric_counts *first, int validation, mpt_logs *logs) {
+   its names, each from its record (r2 and auc output 0's alone). The
+   outputs' records count the same samples. */
+static void mpt__outputs_logs(const mpt_model *m, const mpt__tally *t, int validation,
+                              mpt_logs *logs) {
     double n = t->samples ? (double)t->samples : 1.0, total = 0;
     int k;
-    for (k = 0; k < m->n_outputs; k++) {
-        const double loss_sum = k ? t->output[k].loss_sum : t->loss_sum;
-        total += (double)m->loss_weight[k] * (loss_sum / n);
-    }
+    for (k = 0; k < m->n_outputs; k++)
+        total += (double)m->loss_weight[k] * (mpt__tally_output(t, k)->loss_sum / n);
     mpt__logs_set(logs, validation ? "val_loss" : "loss", total);
     for (k = 0; k < m->n_outputs; k++) {
         const char(*names)[MPT__LOG_NAME_MAX] = m->output_log[k][validation != 0];
-        mpt__metric_counts c = *first;
-        if (k) {
-            const mpt_step_state *st = &t->output[k];
-            memset(&c, 0, sizeof c);
-            c.count = (double)t->samples;
-            c.correct = st->correct;
-            c.top_k = st->top_k;
-            c.abs_error = st->abs_error;
-            c.squared_error = st->squared_error;
-            c.percent_error = st->percent_error;
-            c.tp = st->true_positives;
-            c.fp = st->false_positives;
-            c.fn = st->false_negatives;
-        }
-        mpt__logs_set(logs, names[MPT__LOG_LOSS], (k ? t->output[k].loss_sum : t->loss_sum) / n);
+        const mpt_step_state *record = mpt__tally_output(t, k);
+        const mpt__metric_counts c =
+            mpt__record_counts(record, 0, t->samples, k ? 0 : t->r2, k ? 0 : t->auc);
+        mpt__logs_set(logs, names[MPT__LOG_LOSS], record->loss_sum / n);
         mpt__metric_logs(m->compile.losses[k].type, m->compile.output_metrics[k], &c, validation,
                          0, names, logs);
     }
@@ -15566,34 +15561,14 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
                             mpt_logs *logs) {
     double n = t->samples ? (double)t->samples : 1.0;
     const int both = m->compile.metrics & m->compile.weighted_metrics;
-    mpt__metric_counts plain, weighted;
-    plain.count = (double)t->samples;
-    plain.correct = t->correct;
-    plain.top_k = t->top_k;
-    plain.abs_error = t->abs_error;
-    plain.squared_error = t->squared_error;
-    plain.percent_error = t->percent_error;
-    plain.tp = t->tp;
-    plain.fp = t->fp;
-    plain.fn = t->fn;
-    plain.r2 = t->r2;
-    plain.auc = t->auc;
-    weighted.count = t->weight_sum;
-    weighted.correct = t->weighted_correct;
-    weighted.top_k = t->weighted_top_k;
-    weighted.abs_error = t->weighted_abs_error;
-    weighted.squared_error = t->weighted_squared_error;
-    weighted.percent_error = t->weighted_percent_error;
-    weighted.tp = t->weighted_tp;
-    weighted.fp = t->weighted_fp;
-    weighted.fn = t->weighted_fn;
-    weighted.r2 = t->weighted_r2;
-    weighted.auc = t->weighted_auc;
+    const mpt__metric_counts plain = mpt__record_counts(&t->record, 0, t->samples, t->r2, t->auc);
+    const mpt__metric_counts weighted =
+        mpt__record_counts(&t->record, 1, t->samples, t->weighted_r2, t->weighted_auc);
     if (mpt__several_outputs(m)) {
-        mpt__outputs_logs(m, t, &plain, validation, logs);
+        mpt__outputs_logs(m, t, validation, logs);
         return;
     }
-    mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
+    mpt__logs_set(logs, validation ? "val_loss" : "loss", t->record.loss_sum / n);
     mpt__metric_logs(m->compile.loss.type, m->compile.metrics, &plain, validation, 0, NULL, logs);
     mpt__metric_logs(m->compile.loss.type, m->compile.weighted_metrics & ~both, &weighted,
                      validation, 0, NULL, logs);

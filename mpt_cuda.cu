@@ -3769,6 +3769,39 @@ struct mpt__cuda_attn_store_dq {
     __device__ void operator()(int64_t d, float v) const { dq[d] = mpt__fmul_rn(scale, v); }
 };
 
+/* Query row r: where its row of q (o, d_o, dq) and row 0 of its k (v)
+   are, its n keys, and its softmax's max and 1 / Σ exp(s − max) over
+   its scores s. */
+struct mpt__cuda_attn_query {
+    int64_t q_at, kv_at, n;
+    float most, inv_sum;
+};
+
+/* Query row r's scores into row (mpt__cuda_attn_scores) and its softmax
+   statistics, each thread its keys in order, then the block's max and sum
+   (red_max, red). The whole block calls it. */
+template <typename T>
+static __device__ __forceinline__ mpt__cuda_attn_query
+mpt__cuda_attn_softmax_row(const mpt__cuda_attn_shape &s, const T *q, const T *k, int64_t r,
+                           float *row, float *red_max, double *red) {
+    mpt__cuda_attn_query a;
+    const int t = threadIdx.x;
+    const int64_t i = r % s.q_len, b = r / s.q_len / s.heads, h = r / s.q_len % s.heads;
+    a.q_at = (b * s.q_len + i) * s.heads + h;
+    a.kv_at = b * s.kv_len * s.heads + h;
+    a.n = mpt__cuda_attn_keys(i, s.kv_len, s.causal, s.causal_offset);
+    mpt__cuda_attn_scores(s, q + a.q_at * s.key_dim, k + a.kv_at * s.key_dim, a.n, row);
+    __syncthreads();
+    float most = -INFINITY;
+    for (int64_t j = t; j < a.n; j += mpt__cuda_attn_threads) most = fmaxf(most, row[j]);
+    a.most = mpt__cuda_attn_block_max(most, red_max);
+    double sum = 0;
+    for (int64_t j = t; j < a.n; j += mpt__cuda_attn_threads)
+        sum = __dadd_rn(sum, (double)expf(mpt__fsub_rn(row[j], a.most)));
+    a.inv_sum = (float)(1.0 / mpt__cuda_attn_block_sum(sum, red));
+    return a;
+}
+
 /* Forward; slots: the workspace's rows (NULL: shared memory holds them). */
 template <typename T>
 static __global__ void __launch_bounds__(128)
@@ -3784,21 +3817,10 @@ static __global__ void __launch_bounds__(128)
     const int64_t rows = s.batch * s.heads * s.q_len;
     const int t = threadIdx.x;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const int64_t i = r % s.q_len, b = r / s.q_len / s.heads, h = r / s.q_len % s.heads;
-        const int64_t q_at = (b * s.q_len + i) * s.heads + h; /* row i of q, o (d_o, dq) */
-        const int64_t kv_at = b * s.kv_len * s.heads + h;     /* row 0 of k, v           */
-        const int64_t n = mpt__cuda_attn_keys(i, s.kv_len, s.causal, s.causal_offset);
-        mpt__cuda_attn_scores(s, q + q_at * s.key_dim, k + kv_at * s.key_dim, n, row);
-        __syncthreads();
-        float most = -INFINITY;
-        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) most = fmaxf(most, row[j]);
-        most = mpt__cuda_attn_block_max(most, red_max);
-        double sum = 0;
-        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
-            sum = __dadd_rn(sum, (double)expf(mpt__fsub_rn(row[j], most)));
-        const float inv_sum = (float)(1.0 / mpt__cuda_attn_block_sum(sum, red));
+        const mpt__cuda_attn_query a = mpt__cuda_attn_softmax_row(s, q, k, r, row, red_max, red);
+        const int64_t n = a.n;
         for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) {
-            float p = mpt__attn_weight(row[j], most, inv_sum);
+            float p = mpt__attn_weight(row[j], a.most, a.inv_sum);
             if (s.dropout)
                 p = mpt__attn_keep(s.key, step, s.rate, (uint64_t)(r * s.kv_len + j))
                         ? mpt__fmul_rn(p, s.keep_scale)
@@ -3806,8 +3828,8 @@ static __global__ void __launch_bounds__(128)
             row[j] = mpt__cuda_attn_operand<T>(p);
         }
         __syncthreads();
-        mpt__cuda_attn_store_o<T> store = {o + q_at * s.value_dim};
-        mpt__cuda_attn_row_times(row, n, v + kv_at * s.value_dim, s.heads * s.value_dim,
+        mpt__cuda_attn_store_o<T> store = {o + a.q_at * s.value_dim};
+        mpt__cuda_attn_row_times(row, n, v + a.kv_at * s.value_dim, s.heads * s.value_dim,
                                  s.value_dim, part, store);
         __syncthreads(); /* row is the next row's */
     }
@@ -3829,27 +3851,16 @@ static __global__ void __launch_bounds__(128)
     const int t = threadIdx.x, G = s.group, lane = t % G, group = t / G;
     const int groups = mpt__cuda_attn_threads / G;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const int64_t i = r % s.q_len, b = r / s.q_len / s.heads, h = r / s.q_len % s.heads;
-        const int64_t q_at = (b * s.q_len + i) * s.heads + h; /* row i of q, o (d_o, dq) */
-        const int64_t kv_at = b * s.kv_len * s.heads + h;     /* row 0 of k, v           */
-        const int64_t n = mpt__cuda_attn_keys(i, s.kv_len, s.causal, s.causal_offset);
-        const T *doi = d_o + q_at * s.value_dim, *v0 = v + kv_at * s.value_dim;
-        mpt__cuda_attn_scores(s, q + q_at * s.key_dim, k + kv_at * s.key_dim, n, pr);
-        __syncthreads();
-        float most = -INFINITY;
-        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) most = fmaxf(most, pr[j]);
-        most = mpt__cuda_attn_block_max(most, red_max);
-        double sum = 0;
-        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
-            sum = __dadd_rn(sum, (double)expf(mpt__fsub_rn(pr[j], most)));
-        const float inv_sum = (float)(1.0 / mpt__cuda_attn_block_sum(sum, red));
+        const mpt__cuda_attn_query a = mpt__cuda_attn_softmax_row(s, q, k, r, pr, red_max, red);
+        const int64_t n = a.n;
+        const T *doi = d_o + a.q_at * s.value_dim, *v0 = v + a.kv_at * s.value_dim;
         /* P, and dP = dO_i · V_j through the forward's mask */
         for (int64_t base = 0; base < n; base += groups) {
             const int64_t j = base + group;
             const float dpt = mpt__cuda_attn_dot(doi, j < n ? v0 + j * vld : v0, s.value_dim,
                                                  j < n, lane, G);
             if (j < n && lane == 0) {
-                const float p = mpt__attn_weight(pr[j], most, inv_sum);
+                const float p = mpt__attn_weight(pr[j], a.most, a.inv_sum);
                 float dp = dpt;
                 if (s.dropout)
                     dp = p != 0 && mpt__attn_keep(s.key, step, s.rate, (uint64_t)(r * s.kv_len + j))
@@ -3867,12 +3878,12 @@ static __global__ void __launch_bounds__(128)
         for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
             dpr[j] = mpt__cuda_attn_operand<T>(mpt__attn_dscore(pr[j], dpr[j], row_dot));
         __syncthreads();
-        mpt__cuda_attn_store_dq store = {dq + q_at * s.key_dim, s.scale};
-        mpt__cuda_attn_row_times(dpr, n, k + kv_at * s.key_dim, s.heads * s.key_dim, s.key_dim,
+        mpt__cuda_attn_store_dq store = {dq + a.q_at * s.key_dim, s.scale};
+        mpt__cuda_attn_row_times(dpr, n, k + a.kv_at * s.key_dim, s.heads * s.key_dim, s.key_dim,
                                  part, store);
         if (t == 0) {
-            stats[3 * r] = most;
-            stats[3 * r + 1] = inv_sum;
+            stats[3 * r] = a.most;
+            stats[3 * r + 1] = a.inv_sum;
             stats[3 * r + 2] = row_dot;
         }
         __syncthreads(); /* pr, dpr are the next row's */

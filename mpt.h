@@ -14102,31 +14102,51 @@ static mpt_status mpt__check_dataset_x(mpt_context *ctx, const char *what, const
     return mpt_dtype_is_float(x->dtype) ? mpt__check_finite(ctx, what, x) : MPT_OK;
 }
 
+/* t (`what`) must hold as many samples as ref (`ref_what`). */
+static mpt_status mpt__check_dataset_samples(mpt_context *ctx, const char *what,
+                                             const mpt_tensor *t, const char *ref_what,
+                                             const mpt_tensor *ref) {
+    char st[96], sr[96];
+    if (t->shape[0] == ref->shape[0]) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: %s %s has %lld samples but %s %s has %lld",
+                     what, mpt_shape_format(st, sizeof st, t->rank, t->shape),
+                     (long long)t->shape[0], ref_what,
+                     mpt_shape_format(sr, sizeof sr, ref->rank, ref->shape),
+                     (long long)ref->shape[0]);
+}
+
+/* A list of several, desc->inputs (labels 0) or desc->labels (1): set
+   instead of x (y), and of 1..MPT_MAX_INPUTS (MPT_MAX_OUTPUTS) tensors. */
+static mpt_status mpt__check_dataset_list(mpt_context *ctx, const mpt_dataset_desc *desc,
+                                          int labels) {
+    const char *one = labels ? "y" : "x", *list = labels ? "labels" : "inputs";
+    const int set = labels ? desc->labels != NULL : desc->inputs != NULL;
+    const int count = labels ? desc->label_count : desc->input_count;
+    const int most = labels ? MPT_MAX_OUTPUTS : MPT_MAX_INPUTS;
+    if (labels ? desc->y != NULL : desc->x != NULL)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: %s and %s are both set: a "
+                         "dataset of several %s has them all in %s (%s NULL)", one, list,
+                         labels ? "outputs' labels" : "inputs", list, one);
+    if (!set || count < 1 || count > most)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: %s_count %d is not in 1..%d "
+                         "(MPT_MAX_%s)%s%s%s", labels ? "label" : "input", count, most,
+                         labels ? "OUTPUTS" : "INPUTS", set ? "" : ", or ", set ? "" : list,
+                         set ? "" : " is NULL");
+    return MPT_OK;
+}
+
 /* desc->inputs: 1..MPT_MAX_INPUTS tensors, each as x may be, of one count;
    x NULL. */
 static mpt_status mpt__check_dataset_inputs(mpt_context *ctx, const mpt_dataset_desc *desc) {
-    char what[32], s0[96], sk[96];
+    char what[32];
     int k;
-    if (desc->x)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x and inputs are both set: "
-                         "a dataset of several inputs has them all in inputs (x NULL)");
-    if (!desc->inputs || desc->input_count < 1 || desc->input_count > MPT_MAX_INPUTS)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: input_count %d is not in "
-                         "1..%d (MPT_MAX_INPUTS)%s", desc->input_count, MPT_MAX_INPUTS,
-                         desc->inputs ? "" : ", or inputs is NULL");
+    MPT__CHECK(mpt__check_dataset_list(ctx, desc, 0));
     for (k = 0; k < desc->input_count; k++) {
         const mpt_tensor *t = desc->inputs[k];
         snprintf(what, sizeof what, "inputs[%d]", k);
         MPT__CHECK(mpt__check_dataset_tensor(ctx, what, t));
         MPT__CHECK(mpt__check_dataset_x(ctx, what, t));
-        if (t->shape[0] != desc->inputs[0]->shape[0])
-            return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: inputs[%d] %s has %lld samples but "
-                             "inputs[0] %s has %lld", k,
-                             mpt_shape_format(sk, sizeof sk, t->rank, t->shape),
-                             (long long)t->shape[0],
-                             mpt_shape_format(s0, sizeof s0, desc->inputs[0]->rank,
-                                              desc->inputs[0]->shape),
-                             (long long)desc->inputs[0]->shape[0]);
+        MPT__CHECK(mpt__check_dataset_samples(ctx, what, t, "inputs[0]", desc->inputs[0]));
     }
     return MPT_OK;
 }
@@ -14155,61 +14175,40 @@ static mpt_status mpt__check_dataset_y(mpt_context *ctx, const char *what, const
    count (inputs[0]'s); y NULL. Label 0 is then checked as y. */
 static mpt_status mpt__check_dataset_labels(mpt_context *ctx, const mpt_dataset_desc *desc) {
     const mpt_tensor *x = desc->x ? desc->x : desc->inputs ? desc->inputs[0] : NULL;
-    char what[32], sx[96], sk[96];
+    char what[32];
     int k;
-    if (desc->y)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: y and labels are both set: "
-                         "a dataset of several outputs' labels has them all in labels (y NULL)");
-    if (!desc->labels || desc->label_count < 1 || desc->label_count > MPT_MAX_OUTPUTS)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: label_count %d is not in "
-                         "1..%d (MPT_MAX_OUTPUTS)%s", desc->label_count, MPT_MAX_OUTPUTS,
-                         desc->labels ? "" : ", or labels is NULL");
+    MPT__CHECK(mpt__check_dataset_list(ctx, desc, 1));
     for (k = 1; k < desc->label_count; k++) { /* label 0 is checked as y */
         const mpt_tensor *t = desc->labels[k];
         snprintf(what, sizeof what, "labels[%d]", k);
         MPT__CHECK(mpt__check_dataset_tensor(ctx, what, t));
-        if (x && x->rank >= 1 && t->shape[0] != x->shape[0])
-            return mpt__fail(ctx, MPT_ERR_SHAPE, "dataset: labels[%d] %s has %lld samples but "
-                             "x %s has %lld", k,
-                             mpt_shape_format(sk, sizeof sk, t->rank, t->shape),
-                             (long long)t->shape[0],
-                             mpt_shape_format(sx, sizeof sx, x->rank, x->shape),
-                             (long long)x->shape[0]);
+        if (x && x->rank >= 1) MPT__CHECK(mpt__check_dataset_samples(ctx, what, t, "x", x));
         MPT__CHECK(mpt__check_dataset_y(ctx, what, t));
     }
     return MPT_OK;
 }
 
-static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_desc *desc) {
-    char sx[96], sy[96];
+/* The whole descriptor, into *one as the dataset takes it: desc with
+   labels[0] as y and inputs[0] as x, the lists checked first and the
+   rest of the checks then made on those. */
+static mpt_status mpt__check_dataset_desc(mpt_context *ctx, const mpt_dataset_desc *desc,
+                                          mpt_dataset_desc *one) {
     if (!desc) /* NULL: every default, but x is required */
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: x is required (NULL "
                          "descriptor)");
+    *one = *desc;
     if (desc->labels || desc->label_count) {
-        mpt_dataset_desc first = *desc; /* the rest of the checks on labels[0] as y */
         MPT__CHECK(mpt__check_dataset_labels(ctx, desc));
-        first.y = desc->labels[0];
-        first.labels = NULL;
-        first.label_count = 0;
-        return mpt__check_dataset_desc(ctx, &first);
+        one->y = desc->labels[0];
     }
     if (desc->inputs || desc->input_count) {
-        mpt_dataset_desc first = *desc; /* the rest of the checks on inputs[0] as x */
         MPT__CHECK(mpt__check_dataset_inputs(ctx, desc));
-        first.x = desc->inputs[0];
-        first.inputs = NULL;
-        first.input_count = 0;
-        return mpt__check_dataset_desc(ctx, &first);
+        one->x = desc->inputs[0];
     }
+    desc = one;
     MPT__CHECK(mpt__check_dataset_tensor(ctx, "x", desc->x));
     if (desc->y) MPT__CHECK(mpt__check_dataset_tensor(ctx, "y", desc->y));
-    if (desc->y && desc->x->shape[0] != desc->y->shape[0])
-        return mpt__fail(ctx, MPT_ERR_SHAPE,
-                         "dataset: x %s has %lld samples but y %s has %lld",
-                         mpt_shape_format(sx, sizeof sx, desc->x->rank, desc->x->shape),
-                         (long long)desc->x->shape[0],
-                         mpt_shape_format(sy, sizeof sy, desc->y->rank, desc->y->shape),
-                         (long long)desc->y->shape[0]);
+    if (desc->y) MPT__CHECK(mpt__check_dataset_samples(ctx, "x", desc->x, "y", desc->y));
     if (!isfinite(desc->scale) || !isfinite(desc->offset))
         return mpt__fail(ctx, MPT_ERR_NUMERIC, "dataset: scale %g and offset %g must be finite",
                          (double)desc->scale, (double)desc->offset);
@@ -14466,15 +14465,13 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
                                      mpt_dataset **out) {
     mpt_dataset *d;
     mpt_status s;
-    mpt_dataset_desc several;
+    mpt_dataset_desc one;
     if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL out");
     *out = NULL;
-    MPT__CHECK(mpt__check_dataset_desc(ctx, desc));
-    several = *desc;
-    if (desc->inputs) several.x = desc->inputs[0]; /* inputs[0] is x; the others in d->in */
-    if (desc->labels) several.y = desc->labels[0]; /* labels[0] is y; the others in d->lab */
-    desc = &several;
+    /* inputs[0] is x, labels[0] y; the others go in d->in and d->lab */
+    MPT__CHECK(mpt__check_dataset_desc(ctx, desc, &one));
+    desc = &one;
     d = mpt__dataset_new(ctx);
     if (!d) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "dataset: out of memory");
     d->n = desc->x->shape[0];
@@ -15434,24 +15431,13 @@ MPTDEF mpt_status mpt_model_history(const mpt_model *m, mpt_history *out) {
 
 /* Running sums of one pass over data. */
 typedef struct mpt__tally {
-    double loss_sum;     /* Σ batch mean loss · batch size */
-    int64_t samples;
-    double correct;      /* accuracy: samples right, a sample of several
-                            positions in the fraction of them right   */
-    double top_k;        /* sparse top-k accuracy, alike              */
-    double abs_error;    /* Σ over samples of their mean |y − p|,     */
-    double squared_error; /* (y − p)² and                             */
-    double percent_error; /* 100·|y − p| / max(|y|, ε)                */
-    double tp, fp, fn;   /* output values: true positives, false ones,
-                            false negatives                           */
-    /* weighted_metrics: Σ weights and the sums above, each sample's times
-       its weight */
-    double weight_sum, weighted_correct, weighted_top_k, weighted_abs_error,
-        weighted_squared_error, weighted_percent_error, weighted_tp, weighted_fp, weighted_fn;
+    mpt_step_state record; /* the backend's sums: the loss, the metrics'
+                              tallies and the weighted ones (output 0's) */
+    int64_t samples;       /* record.samples                            */
     /* r2_score and auc, finished from their sums (mpt__metric_sums_finish) */
     double r2, auc, weighted_r2, weighted_auc;
-    /* A model of several outputs: outputs 1..'s records (the fields above
-       are output 0's); [0] unused. */
+    /* A model of several outputs: outputs 1..'s records (`record` is
+       output 0's); [0] unused. */
     mpt_step_state output[MPT_MAX_OUTPUTS];
 } mpt__tally;
 
@@ -15501,25 +15487,8 @@ static void mpt__metric_sums_finish(const mpt_model *m, const double *record, mp
 
 /* A tally from the backend's record of it. */
 static void mpt__tally_from_state(const mpt_step_state *st, mpt__tally *t) {
-    t->loss_sum = st->loss_sum;
+    t->record = *st;
     t->samples = (int64_t)st->samples;
-    t->correct = st->correct;
-    t->top_k = st->top_k;
-    t->abs_error = st->abs_error;
-    t->squared_error = st->squared_error;
-    t->percent_error = st->percent_error;
-    t->tp = st->true_positives;
-    t->fp = st->false_positives;
-    t->fn = st->false_negatives;
-    t->weight_sum = st->weight_sum;
-    t->weighted_correct = st->weighted_correct;
-    t->weighted_top_k = st->weighted_top_k;
-    t->weighted_abs_error = st->weighted_abs_error;
-    t->weighted_squared_error = st->weighted_squared_error;
-    t->weighted_percent_error = st->weighted_percent_error;
-    t->weighted_tp = st->weighted_true_positives;
-    t->weighted_fp = st->weighted_false_positives;
-    t->weighted_fn = st->weighted_false_negatives;
 }
 
 /* One list of metrics' values into logs: each metric named as Keras
@@ -15536,6 +15505,38 @@ typedef struct mpt__metric_counts {
     double count, correct, top_k, abs_error, squared_error, percent_error, tp, fp, fn;
     double r2, auc; /* finished already */
 } mpt__metric_counts;
+
+/* One list of a record's counts: the plain ones over `samples`, or
+   (weighted) the weighted ones over Σ weights; r2 and auc, finished
+   apart, as given. */
+static mpt__metric_counts mpt__record_counts(const mpt_step_state *st, int weighted,
+                                             int64_t samples, double r2, double auc) {
+    mpt__metric_counts c;
+    if (weighted) {
+        c.count = st->weight_sum;
+        c.correct = st->weighted_correct;
+        c.top_k = st->weighted_top_k;
+        c.abs_error = st->weighted_abs_error;
+        c.squared_error = st->weighted_squared_error;
+        c.percent_error = st->weighted_percent_error;
+        c.tp = st->weighted_true_positives;
+        c.fp = st->weighted_false_positives;
+        c.fn = st->weighted_false_negatives;
+    } else {
+        c.count = (double)samples;
+        c.correct = st->correct;
+        c.top_k = st->top_k;
+        c.abs_error = st->abs_error;
+        c.squared_error = st->squared_error;
+        c.percent_error = st->percent_error;
+        c.tp = st->true_positives;
+        c.fp = st->false_positives;
+        c.fn = st->false_negatives;
+    }
+    c.r2 = r2;
+    c.auc = auc;
+    return c;
+}
 
 static const char *const mpt__log_slot_name[MPT__LOG_SLOTS] = {
     "loss", "accuracy", "sparse_top_k_categorical_accuracy", "top_k_categorical_accuracy",
@@ -15586,37 +15587,28 @@ static void mpt__metric_logs(mpt_loss_type loss, int metrics, const mpt__metric_
 #undef MPT__LOG
 }
 
+/* Output k's record: t->record for output 0, t->output[k] for the others. */
+static const mpt_step_state *mpt__tally_output(const mpt__tally *t, int k) {
+    return k ? &t->output[k] : &t->record;
+}
+
 /* A model of several outputs: "loss", the weighted sum Σ w_k · loss_k of
    the outputs' mean losses, then each output's loss and metrics under
-   its names. Output 0's counts are `first` (the tally's own fields), the
-   others' come from their records in t->output. The outputs' records
-   count the same samples. */
-static void mpt__outputs_logs(const mpt_model *m, const mpt__tally *t,
-                              const mpt__metric_counts *first, int validation, mpt_logs *logs) {
+   its names, each from its record (r2 and auc output 0's alone). The
+   outputs' records count the same samples. */
+static void mpt__outputs_logs(const mpt_model *m, const mpt__tally *t, int validation,
+                              mpt_logs *logs) {
     double n = t->samples ? (double)t->samples : 1.0, total = 0;
     int k;
-    for (k = 0; k < m->n_outputs; k++) {
-        const double loss_sum = k ? t->output[k].loss_sum : t->loss_sum;
-        total += (double)m->loss_weight[k] * (loss_sum / n);
-    }
+    for (k = 0; k < m->n_outputs; k++)
+        total += (double)m->loss_weight[k] * (mpt__tally_output(t, k)->loss_sum / n);
     mpt__logs_set(logs, validation ? "val_loss" : "loss", total);
     for (k = 0; k < m->n_outputs; k++) {
         const char(*names)[MPT__LOG_NAME_MAX] = m->output_log[k][validation != 0];
-        mpt__metric_counts c = *first;
-        if (k) {
-            const mpt_step_state *st = &t->output[k];
-            memset(&c, 0, sizeof c);
-            c.count = (double)t->samples;
-            c.correct = st->correct;
-            c.top_k = st->top_k;
-            c.abs_error = st->abs_error;
-            c.squared_error = st->squared_error;
-            c.percent_error = st->percent_error;
-            c.tp = st->true_positives;
-            c.fp = st->false_positives;
-            c.fn = st->false_negatives;
-        }
-        mpt__logs_set(logs, names[MPT__LOG_LOSS], (k ? t->output[k].loss_sum : t->loss_sum) / n);
+        const mpt_step_state *record = mpt__tally_output(t, k);
+        const mpt__metric_counts c =
+            mpt__record_counts(record, 0, t->samples, k ? 0 : t->r2, k ? 0 : t->auc);
+        mpt__logs_set(logs, names[MPT__LOG_LOSS], record->loss_sum / n);
         mpt__metric_logs(m->compile.losses[k].type, m->compile.output_metrics[k], &c, validation,
                          0, names, logs);
     }
@@ -15630,34 +15622,14 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
                             mpt_logs *logs) {
     double n = t->samples ? (double)t->samples : 1.0;
     const int both = m->compile.metrics & m->compile.weighted_metrics;
-    mpt__metric_counts plain, weighted;
-    plain.count = (double)t->samples;
-    plain.correct = t->correct;
-    plain.top_k = t->top_k;
-    plain.abs_error = t->abs_error;
-    plain.squared_error = t->squared_error;
-    plain.percent_error = t->percent_error;
-    plain.tp = t->tp;
-    plain.fp = t->fp;
-    plain.fn = t->fn;
-    plain.r2 = t->r2;
-    plain.auc = t->auc;
-    weighted.count = t->weight_sum;
-    weighted.correct = t->weighted_correct;
-    weighted.top_k = t->weighted_top_k;
-    weighted.abs_error = t->weighted_abs_error;
-    weighted.squared_error = t->weighted_squared_error;
-    weighted.percent_error = t->weighted_percent_error;
-    weighted.tp = t->weighted_tp;
-    weighted.fp = t->weighted_fp;
-    weighted.fn = t->weighted_fn;
-    weighted.r2 = t->weighted_r2;
-    weighted.auc = t->weighted_auc;
+    const mpt__metric_counts plain = mpt__record_counts(&t->record, 0, t->samples, t->r2, t->auc);
+    const mpt__metric_counts weighted =
+        mpt__record_counts(&t->record, 1, t->samples, t->weighted_r2, t->weighted_auc);
     if (mpt__several_outputs(m)) {
-        mpt__outputs_logs(m, t, &plain, validation, logs);
+        mpt__outputs_logs(m, t, validation, logs);
         return;
     }
-    mpt__logs_set(logs, validation ? "val_loss" : "loss", t->loss_sum / n);
+    mpt__logs_set(logs, validation ? "val_loss" : "loss", t->record.loss_sum / n);
     mpt__metric_logs(m->compile.loss.type, m->compile.metrics, &plain, validation, 0, NULL, logs);
     mpt__metric_logs(m->compile.loss.type, m->compile.weighted_metrics & ~both, &weighted,
                      validation, 0, NULL, logs);
@@ -20852,13 +20824,16 @@ static mpt_status mpt__cb_early_stopping_train_end(void *user, mpt_model *m, con
     return MPT_OK;
 }
 
+/* A count of epochs the callback `what` takes (its field `name`): >= 0. */
+static mpt_status mpt__cb_check_epochs(mpt_context *ctx, const char *what, const char *name,
+                                       int epochs) {
+    if (epochs >= 0) return MPT_OK;
+    return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "%s: %s %d must be >= 0", what, name, epochs);
+}
+
 static mpt_status mpt__cb_early_stopping_check(mpt_context *ctx, const mpt_early_stopping_desc *d) {
-    if (d->patience < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "EarlyStopping: patience %d must be >= 0", d->patience);
-    if (d->start_from_epoch < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "EarlyStopping: start_from_epoch %d must be >= 0", d->start_from_epoch);
+    MPT__CHECK(mpt__cb_check_epochs(ctx, "EarlyStopping", "patience", d->patience));
+    MPT__CHECK(mpt__cb_check_epochs(ctx, "EarlyStopping", "start_from_epoch", d->start_from_epoch));
     if (d->has_baseline && isnan(d->baseline))
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "EarlyStopping: baseline is NaN; nothing could ever beat it");
@@ -20983,12 +20958,8 @@ static mpt_status mpt__cb_reduce_lr_check(mpt_context *ctx, const mpt_reduce_lr_
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "ReduceLROnPlateau: factor %g must be in (0, 1) (0: the default 0.1); "
                          "a factor >= 1 would not reduce the rate", (double)d->factor);
-    if (d->patience < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "ReduceLROnPlateau: patience %d must be >= 0", d->patience);
-    if (d->cooldown < 0)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "ReduceLROnPlateau: cooldown %d must be >= 0", d->cooldown);
+    MPT__CHECK(mpt__cb_check_epochs(ctx, "ReduceLROnPlateau", "patience", d->patience));
+    MPT__CHECK(mpt__cb_check_epochs(ctx, "ReduceLROnPlateau", "cooldown", d->cooldown));
     if (!(d->min_lr >= 0 && d->min_lr < INFINITY))
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
                          "ReduceLROnPlateau: min_lr %g must be finite and >= 0", (double)d->min_lr);
@@ -23703,26 +23674,43 @@ static int mpt__st_put_utf8(char *w, uint32_t cp) {
     return 4;
 }
 
-/* Decodes the \u escape at json[r] (the backslash) into *cp; *len gets the
-   bytes it took (6, or 12 for a surrogate pair). */
-static mpt_status mpt__st_unicode_escape(mpt__st_file *f, int64_t r, uint32_t *cp, int *len) {
-    const char *j = f->json;
+/* What mpt__st_u_escape finds wrong with a \u escape, or MPT__U_OK. */
+enum { MPT__U_OK, MPT__U_HEX, MPT__U_LONE_LOW, MPT__U_LONE_HIGH, MPT__U_NUL };
+
+/* The rule of a \u escape, for both JSON readers (a safetensors header's,
+   @impl-json's): at text[at] (the backslash; n bytes in all) 4 hex digits,
+   a high surrogate followed by the \u escape of a low one, NUL refused.
+   Its code point into *cp and its bytes into *len (6, or 12 for a
+   surrogate pair); else what is wrong, *cp the first escape's value where
+   it was read. */
+static int mpt__st_u_escape(const char *text, int64_t at, int64_t n, uint32_t *cp, int *len) {
     uint32_t lo;
-    if (r + 6 > f->n || !mpt__st_hex4(j + r + 2, cp))
-        return mpt__st_bad(f, r, "\\u must be followed by 4 hex digits");
+    if (at + 6 > n || !mpt__st_hex4(text + at + 2, cp)) return MPT__U_HEX;
     *len = 6;
-    if (*cp >= 0xdc00 && *cp <= 0xdfff)
-        return mpt__st_bad(f, r, "\\u%04x is a low surrogate without a high one", (unsigned)*cp);
+    if (*cp >= 0xdc00 && *cp <= 0xdfff) return MPT__U_LONE_LOW;
     if (*cp >= 0xd800 && *cp <= 0xdbff) {
-        if (r + 12 > f->n || j[r + 6] != '\\' || j[r + 7] != 'u' || !mpt__st_hex4(j + r + 8, &lo) ||
-            lo < 0xdc00 || lo > 0xdfff)
-            return mpt__st_bad(f, r, "\\u%04x is a high surrogate without a low one after it",
-                               (unsigned)*cp);
+        if (at + 12 > n || text[at + 6] != '\\' || text[at + 7] != 'u' ||
+            !mpt__st_hex4(text + at + 8, &lo) || lo < 0xdc00 || lo > 0xdfff)
+            return MPT__U_LONE_HIGH;
         *cp = 0x10000 + ((*cp - 0xd800) << 10) + (lo - 0xdc00);
         *len = 12;
     }
-    if (*cp == 0) return mpt__st_bad(f, r, "\\u0000 in a string is not supported");
-    return MPT_OK;
+    return *cp == 0 ? MPT__U_NUL : MPT__U_OK;
+}
+
+/* Decodes the \u escape at json[r] (the backslash) into *cp; *len gets the
+   bytes it took (6, or 12 for a surrogate pair). */
+static mpt_status mpt__st_unicode_escape(mpt__st_file *f, int64_t r, uint32_t *cp, int *len) {
+    switch (mpt__st_u_escape(f->json, r, f->n, cp, len)) {
+    case MPT__U_HEX: return mpt__st_bad(f, r, "\\u must be followed by 4 hex digits");
+    case MPT__U_LONE_LOW:
+        return mpt__st_bad(f, r, "\\u%04x is a low surrogate without a high one", (unsigned)*cp);
+    case MPT__U_LONE_HIGH:
+        return mpt__st_bad(f, r, "\\u%04x is a high surrogate without a low one after it",
+                           (unsigned)*cp);
+    case MPT__U_NUL: return mpt__st_bad(f, r, "\\u0000 in a string is not supported");
+    default: return MPT_OK;
+    }
 }
 
 /* Decodes the escape at json[*r] (the backslash) to json[*w...]. Decoding
@@ -25094,24 +25082,16 @@ static int mpt__json_new(mpt__json *j, char type, const char *key) {
     return j->n++;
 }
 
-/* Four hex digits at text[at..at+3] (@impl-safetensors' reader), or -1. */
-static long mpt__json_hex4(const mpt__json *j, int64_t at) {
-    uint32_t v;
-    return at + 4 <= j->len && mpt__st_hex4(j->text + at, &v) ? (long)v : -1;
-}
-
 /* A \u escape at pos (the 'u'), a surrogate pair taking two: its code
-   point, or -1 when malformed; pos moves past it. */
+   point, or -1 when malformed (mpt__st_u_escape's rule); pos moves past
+   it, or past its first 4 hex digits' place when malformed. */
 static long mpt__json_code_point(mpt__json *j) {
-    long hi = mpt__json_hex4(j, j->pos + 1), lo;
-    j->pos += 5;
-    if (hi < 0 || (hi >= 0xDC00 && hi < 0xE000) || hi == 0) return -1; /* no lone low, no NUL */
-    if (hi < 0xD800 || hi >= 0xDC00) return hi;
-    if (j->pos + 6 > j->len || j->text[j->pos] != '\\' || j->text[j->pos + 1] != 'u') return -1;
-    lo = mpt__json_hex4(j, j->pos + 2);
-    if (lo < 0xDC00 || lo >= 0xE000) return -1;
-    j->pos += 6;
-    return 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+    const int64_t at = j->pos - 1; /* the backslash */
+    uint32_t cp = 0;
+    int len = 6;
+    const int wrong = mpt__st_u_escape(j->text, at, j->len, &cp, &len);
+    j->pos = at + (wrong ? 6 : len);
+    return wrong ? -1 : (long)cp;
 }
 
 /* The string at pos (its opening quote), unescaped in place and
@@ -36879,8 +36859,9 @@ static int32_t mpt__tfl_layer_norm(mpt__tfl *g, const mpt__export_step *s, int32
 
 /* ---- MultiHeadAttention from TFLite's builtins -------------------------------- */
 
-/* A float32 constant that is part of an op, not a weight (the scale, the
-   causal mask): float32 whatever the weights' dtype. */
+/* A float32 constant whatever the weights' dtype: part of an op, not a
+   weight (the scale, the causal mask), or a quantized model's float bias
+   (@impl-tflite-quantized). */
 static int32_t mpt__tfl_float32_tensor(mpt__tfl *g, const char *layer, const char *what,
                                        int rank, const int64_t *shape, const float *values) {
     int64_t n = mpt__shape_count(rank, shape), i;
@@ -37226,19 +37207,8 @@ static int32_t mpt__tfl_q_output(mpt__tfl *g, const mpt_quantized_layer *L) {
 
 /* A float16 or dynamic-range model's float32 bias, as the model keeps it. */
 static int32_t mpt__tfl_q_float_bias(mpt__tfl *g, const mpt_quantized_layer *L) {
-    int64_t F = L->out_channels, k;
-    unsigned char *b = (unsigned char *)mpt__alloc(g->pl->m->ctx, 4 * (size_t)F + 1);
-    if (!b) {
-        g->failed = 1;
-        return 0;
-    }
-    for (k = 0; k < F; k++) {
-        uint32_t bits;
-        memcpy(&bits, &L->bias[k], 4);
-        mpt__tb_put_le(b + 4 * k, bits, 4);
-    }
-    return mpt__tfl_tensor_add(g, L->name, "bias", MPT__TFL_FLOAT32, 1, &F, 0,
-                               mpt__tfl_buffer_add(g, b, 4 * (size_t)F));
+    const int64_t F = L->out_channels;
+    return mpt__tfl_float32_tensor(g, L->name, "bias", 1, &F, L->bias);
 }
 
 /* A float16 model's kernel (float16, with a DEQUANTIZE to float32 as

@@ -3140,12 +3140,20 @@ typedef struct mpt__cuda_bn_ws {
     float *scale, *inv_std, *mean_dy, *mean_dy_xhat;
 } mpt__cuda_bn_ws;
 
-static mpt__cuda_bn_ws mpt__cuda_bn_carve(const mpt_batchnorm_args *a) {
+/* The chunks of `rows`, and part at the workspace's start: all that
+   LayerNormalization's column sums use of it. */
+static mpt__cuda_bn_ws mpt__cuda_bn_chunking(int64_t rows, void *workspace) {
     mpt__cuda_bn_ws w;
+    w.n_chunks = mpt__cuda_bn_chunks(rows);
+    w.chunk_rows = (rows + w.n_chunks - 1) / w.n_chunks;
+    w.part = (double *)workspace;
+    w.scale = w.inv_std = w.mean_dy = w.mean_dy_xhat = NULL;
+    return w;
+}
+
+static mpt__cuda_bn_ws mpt__cuda_bn_carve(const mpt_batchnorm_args *a) {
+    mpt__cuda_bn_ws w = mpt__cuda_bn_chunking(a->rows, a->workspace);
     const int64_t C = a->channels;
-    w.n_chunks = mpt__cuda_bn_chunks(a->rows);
-    w.chunk_rows = (a->rows + w.n_chunks - 1) / w.n_chunks;
-    w.part = (double *)a->workspace;
     w.scale = (float *)(w.part + 2 * w.n_chunks * C);
     w.inv_std = w.scale + C;
     w.mean_dy = w.inv_std + C;
@@ -3160,11 +3168,18 @@ static int64_t mpt__cuda_batchnorm_workspace(void *impl, mpt_dtype dtype, int64_
     return 16 * mpt__cuda_bn_chunks(rows) * channels + 16 * channels;
 }
 
-enum { MPT__CUDA_BN_SUM_X, MPT__CUDA_BN_SUM_SQDEV, MPT__CUDA_BN_SUM_GRADS };
+enum {
+    MPT__CUDA_BN_SUM_X,
+    MPT__CUDA_BN_SUM_SQDEV,
+    MPT__CUDA_BN_SUM_GRADS,
+    MPT__CUDA_BN_SUM_ROW_GRADS /* LayerNormalization's dgamma and dbeta */
+};
 
-/* part[chunk][0][c] and (SUM_GRADS) part[chunk][1][c] for one chunk and 32
-   channels: SUM_X Σ x into slot 0; SUM_SQDEV Σ (x − mean)² into slot 1;
-   SUM_GRADS Σ dy into 0 and Σ dy · x̂ into 1 (x̂ in float32, as the CPU).
+/* part[chunk][0][c] and part[chunk][1][c] for one chunk and 32 channels:
+   SUM_X Σ x into slot 0; SUM_SQDEV Σ (x − mean)² into slot 1; SUM_GRADS
+   Σ dy into 0 and Σ dy · x̂ into 1 (x̂ in float32, as the CPU, from the
+   channel's mean and inv_std); SUM_ROW_GRADS the same with x̂ from the
+   row's (mpt__ln_xhat's steps: a (rows, D) LayerNormalization's columns).
    grid (channel tiles, chunks), block (32, 8). */
 template <typename T, int MODE>
 static __global__ void __launch_bounds__(256)
@@ -3179,8 +3194,9 @@ static __global__ void __launch_bounds__(256)
     const int64_t r_end = (chunk + 1) * chunk_rows < rows ? (chunk + 1) * chunk_rows : rows;
     double a0 = 0, a1 = 0;
     if (c < C) {
-        const float m = MODE == MPT__CUDA_BN_SUM_X ? 0.0f : mean[c];
-        const float is = MODE == MPT__CUDA_BN_SUM_GRADS ? inv_std[c] : 0.0f;
+        const bool per_row = MODE == MPT__CUDA_BN_SUM_ROW_GRADS;
+        float m = MODE == MPT__CUDA_BN_SUM_X || per_row ? 0.0f : mean[c];
+        float is = MODE == MPT__CUDA_BN_SUM_GRADS ? inv_std[c] : 0.0f;
         for (int64_t r = chunk * chunk_rows + ty; r < r_end; r += mpt__cuda_bn_tile_rows) {
             const float v = mpt__cuda_layers_widen(x[r * C + c]);
             if (MODE == MPT__CUDA_BN_SUM_X) {
@@ -3190,6 +3206,10 @@ static __global__ void __launch_bounds__(256)
                 a1 = __dadd_rn(a1, __dmul_rn(d, d));
             } else {
                 const float g = mpt__cuda_layers_widen(dy[r * C + c]);
+                if (per_row) {
+                    m = mean[r];
+                    is = inv_std[r];
+                }
                 const float xhat = __fmul_rn(v - m, is);
                 a0 += (double)g;
                 a1 = __dadd_rn(a1, __dmul_rn((double)g, (double)xhat));
@@ -3309,18 +3329,17 @@ template <typename T> struct mpt__cuda_bn_dx_op {
     }
 };
 
-/* Launches the partial sums of one mode for a's rows. */
+/* Launches the partial sums of one mode over x's (and dy's) rows of C
+   channels into w->part. */
 template <typename T, int MODE>
-static void mpt__cuda_bn_partials(mpt__cuda *c, const mpt_batchnorm_args *a,
-                                  const mpt__cuda_bn_ws *w, const float *mean,
+static void mpt__cuda_bn_partials(mpt__cuda *c, const void *x, const void *dy, int64_t rows,
+                                  int64_t C, const mpt__cuda_bn_ws *w, const float *mean,
                                   const float *inv_std, const char *what) {
-    const int64_t tiles =
-        (a->channels + mpt__cuda_bn_tile_channels - 1) / mpt__cuda_bn_tile_channels;
+    const int64_t tiles = (C + mpt__cuda_bn_tile_channels - 1) / mpt__cuda_bn_tile_channels;
     dim3 grid((unsigned)tiles, (unsigned)w->n_chunks);
     dim3 block(mpt__cuda_bn_tile_channels, mpt__cuda_bn_tile_rows);
     mpt__cuda_bn_partials_kernel<T, MODE><<<grid, block, 0, c->stream>>>(
-        (const T *)a->x, (const T *)a->dy, a->rows, a->channels, w->chunk_rows, mean, inv_std,
-        w->part);
+        (const T *)x, (const T *)dy, rows, C, w->chunk_rows, mean, inv_std, w->part);
     mpt__cuda_launched(c, what);
 }
 
@@ -3344,11 +3363,13 @@ template <typename T>
 static void mpt__cuda_bn_batch_stats(mpt__cuda *c, const mpt_batchnorm_args *a,
                                      const mpt__cuda_bn_ws *w) {
     const unsigned cb = mpt__cuda_bn_channel_blocks(a->channels);
-    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_X>(c, a, w, NULL, NULL, "batchnorm sum");
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_X>(c, a->x, a->dy, a->rows, a->channels, w, NULL,
+                                                 NULL, "batchnorm sum");
     mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
         w->part, w->n_chunks, 0, a->rows, a->channels, a->mean);
     mpt__cuda_launched(c, "batchnorm mean");
-    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_SQDEV>(c, a, w, a->mean, NULL,
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_SQDEV>(c, a->x, a->dy, a->rows, a->channels, w,
+                                                     a->mean, NULL,
                                                      "batchnorm squared deviations");
     mpt__cuda_bn_stat_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
         w->part, w->n_chunks, 1, a->rows, a->channels, a->variance);
@@ -3361,7 +3382,8 @@ template <typename T>
 static void mpt__cuda_bn_grad_stats(mpt__cuda *c, const mpt_batchnorm_args *a,
                                     const mpt__cuda_bn_ws *w) {
     const unsigned cb = mpt__cuda_bn_channel_blocks(a->channels);
-    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_GRADS>(c, a, w, a->mean, w->inv_std,
+    mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_GRADS>(c, a->x, a->dy, a->rows, a->channels, w,
+                                                     a->mean, w->inv_std,
                                                      "batchnorm gradient sums");
     mpt__cuda_bn_grad_stats_kernel<<<cb, mpt__cuda_layers_threads, 0, c->stream>>>(
         w->part, w->n_chunks, a->rows, a->channels, a->dbeta, a->dgamma, w->mean_dy,
@@ -3443,9 +3465,10 @@ static void mpt__cuda_batchnorm_commit(void *impl, const mpt_batchnorm_args *a,
    total, whatever the launch). The per-element steps and the statistics'
    rounding are mpt.h's mpt__ln_* and mpt__bn_inv_std (@backend-shared),
    as the CPU's; only the order of the row sums differs from the CPU's.
-   dgamma and dbeta, sums over every row, go as BatchNormalization's column
-   sums do: chunks of rows (mpt__cuda_bn_chunks, a function of rows alone)
-   by tiles of 32 columns into part, then the chunks added in order.
+   dgamma and dbeta, sums over every row, are BatchNormalization's column
+   sums (mpt__cuda_bn_partials_kernel's SUM_ROW_GRADS, mpt__cuda_bn_total):
+   chunks of rows (mpt__cuda_bn_chunks, a function of rows alone) by tiles
+   of 32 columns into part, then the chunks added in order.
 
    Workspace: part (n_chunks, 2, D) doubles: Σ dy and Σ dy · x̂. */
 
@@ -3526,46 +3549,6 @@ static __global__ void __launch_bounds__(256)
     }
 }
 
-/* part[chunk][0][c] = Σ dy, part[chunk][1][c] = Σ dy · x̂ over one chunk's
-   rows, for 32 columns: each of 8 row-threads its rows in order, then a
-   tree over the 8 in shared memory. grid (column tiles, chunks). */
-template <typename T>
-static __global__ void __launch_bounds__(256)
-    mpt__cuda_ln_param_partials_kernel(const T *x, const T *dy, int64_t rows, int64_t D,
-                                       int64_t chunk_rows, const float *mean,
-                                       const float *inv_std, double *part) {
-    __shared__ double s0[mpt__cuda_bn_tile_rows][mpt__cuda_bn_tile_channels];
-    __shared__ double s1[mpt__cuda_bn_tile_rows][mpt__cuda_bn_tile_channels];
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const int64_t c = (int64_t)blockIdx.x * mpt__cuda_bn_tile_channels + tx;
-    const int64_t chunk = blockIdx.y;
-    const int64_t r_end = (chunk + 1) * chunk_rows < rows ? (chunk + 1) * chunk_rows : rows;
-    double a0 = 0, a1 = 0;
-    if (c < D) {
-        for (int64_t r = chunk * chunk_rows + ty; r < r_end; r += mpt__cuda_bn_tile_rows) {
-            const float g = mpt__cuda_layers_widen(dy[r * D + c]);
-            const float xhat = mpt__ln_xhat(mpt__cuda_layers_widen(x[r * D + c]), mean[r],
-                                            inv_std[r]);
-            a0 = __dadd_rn(a0, (double)g);
-            a1 = __dadd_rn(a1, __dmul_rn((double)g, (double)xhat));
-        }
-    }
-    s0[ty][tx] = a0;
-    s1[ty][tx] = a1;
-    __syncthreads();
-    for (int half = mpt__cuda_bn_tile_rows / 2; half > 0; half >>= 1) {
-        if (ty < half) {
-            s0[ty][tx] = __dadd_rn(s0[ty][tx], s0[ty + half][tx]);
-            s1[ty][tx] = __dadd_rn(s1[ty][tx], s1[ty + half][tx]);
-        }
-        __syncthreads();
-    }
-    if (ty == 0 && c < D) {
-        part[2 * chunk * D + c] = s0[0][tx];
-        part[2 * chunk * D + D + c] = s1[0][tx];
-    }
-}
-
 /* dbeta = Σ dy, dgamma = Σ dy · x̂: the chunks added in order, one thread
    per column. */
 static __global__ void __launch_bounds__(256)
@@ -3573,13 +3556,8 @@ static __global__ void __launch_bounds__(256)
                                     float *dgamma, float *dbeta) {
     const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= D) return;
-    double sum_dy = 0, sum_dyx = 0;
-    for (int64_t k = 0; k < n_chunks; k++) {
-        sum_dy = __dadd_rn(sum_dy, part[2 * k * D + c]);
-        sum_dyx = __dadd_rn(sum_dyx, part[2 * k * D + D + c]);
-    }
-    if (dbeta) dbeta[c] = (float)sum_dy;
-    if (dgamma) dgamma[c] = (float)sum_dyx;
+    if (dbeta) dbeta[c] = (float)mpt__cuda_bn_total(part, n_chunks, 0, D, c);
+    if (dgamma) dgamma[c] = (float)mpt__cuda_bn_total(part, n_chunks, 1, D, c);
 }
 
 static unsigned mpt__cuda_ln_row_blocks(int64_t rows) {
@@ -3605,10 +3583,8 @@ static void mpt__cuda_layernorm_backward(void *impl, const mpt_layernorm_args *a
     if (a->rows <= 0 || a->cols <= 0) return;
     mpt__cuda_layers_dispatch(a->dtype, [&](auto tag) {
         typedef decltype(tag) T;
-        const int64_t D = a->cols, n_chunks = mpt__cuda_bn_chunks(a->rows);
-        const int64_t chunk_rows = (a->rows + n_chunks - 1) / n_chunks;
-        const int64_t tiles = (D + mpt__cuda_bn_tile_channels - 1) / mpt__cuda_bn_tile_channels;
-        double *part = (double *)a->workspace;
+        const int64_t D = a->cols;
+        const mpt__cuda_bn_ws w = mpt__cuda_bn_chunking(a->rows, a->workspace);
         if (a->dx) {
             mpt__cuda_ln_dx_kernel<T><<<mpt__cuda_ln_row_blocks(a->rows),
                                         dim3(32, mpt__cuda_ln_rows_per_block), 0, c->stream>>>(
@@ -3617,15 +3593,12 @@ static void mpt__cuda_layernorm_backward(void *impl, const mpt_layernorm_args *a
             mpt__cuda_launched(c, "layernorm dx");
         }
         if (!a->dgamma && !a->dbeta) return;
-        mpt__cuda_ln_param_partials_kernel<T>
-            <<<dim3((unsigned)tiles, (unsigned)n_chunks),
-               dim3(mpt__cuda_bn_tile_channels, mpt__cuda_bn_tile_rows), 0, c->stream>>>(
-                (const T *)a->x, (const T *)a->dy, a->rows, D, chunk_rows, a->mean, a->inv_std,
-                part);
-        mpt__cuda_launched(c, "layernorm parameter gradient sums");
+        mpt__cuda_bn_partials<T, MPT__CUDA_BN_SUM_ROW_GRADS>(c, a->x, a->dy, a->rows, D, &w,
+                                                         a->mean, a->inv_std,
+                                                         "layernorm parameter gradient sums");
         mpt__cuda_ln_param_grads_kernel<<<mpt__cuda_blocks(D, mpt__cuda_layers_threads),
                                           mpt__cuda_layers_threads, 0, c->stream>>>(
-            part, n_chunks, D, a->dgamma, a->dbeta);
+            w.part, w.n_chunks, D, a->dgamma, a->dbeta);
         mpt__cuda_launched(c, "layernorm parameter gradients");
     });
 }
@@ -3796,6 +3769,39 @@ struct mpt__cuda_attn_store_dq {
     __device__ void operator()(int64_t d, float v) const { dq[d] = mpt__fmul_rn(scale, v); }
 };
 
+/* Query row r: where its row of q (o, d_o, dq) and row 0 of its k (v)
+   are, its n keys, and its softmax's max and 1 / Σ exp(s − max) over
+   its scores s. */
+struct mpt__cuda_attn_query {
+    int64_t q_at, kv_at, n;
+    float most, inv_sum;
+};
+
+/* Query row r's scores into row (mpt__cuda_attn_scores) and its softmax
+   statistics, each thread its keys in order, then the block's max and sum
+   (red_max, red). The whole block calls it. */
+template <typename T>
+static __device__ __forceinline__ mpt__cuda_attn_query
+mpt__cuda_attn_softmax_row(const mpt__cuda_attn_shape &s, const T *q, const T *k, int64_t r,
+                           float *row, float *red_max, double *red) {
+    mpt__cuda_attn_query a;
+    const int t = threadIdx.x;
+    const int64_t i = r % s.q_len, b = r / s.q_len / s.heads, h = r / s.q_len % s.heads;
+    a.q_at = (b * s.q_len + i) * s.heads + h;
+    a.kv_at = b * s.kv_len * s.heads + h;
+    a.n = mpt__cuda_attn_keys(i, s.kv_len, s.causal, s.causal_offset);
+    mpt__cuda_attn_scores(s, q + a.q_at * s.key_dim, k + a.kv_at * s.key_dim, a.n, row);
+    __syncthreads();
+    float most = -INFINITY;
+    for (int64_t j = t; j < a.n; j += mpt__cuda_attn_threads) most = fmaxf(most, row[j]);
+    a.most = mpt__cuda_attn_block_max(most, red_max);
+    double sum = 0;
+    for (int64_t j = t; j < a.n; j += mpt__cuda_attn_threads)
+        sum = __dadd_rn(sum, (double)expf(mpt__fsub_rn(row[j], a.most)));
+    a.inv_sum = (float)(1.0 / mpt__cuda_attn_block_sum(sum, red));
+    return a;
+}
+
 /* Forward; slots: the workspace's rows (NULL: shared memory holds them). */
 template <typename T>
 static __global__ void __launch_bounds__(128)
@@ -3811,21 +3817,10 @@ static __global__ void __launch_bounds__(128)
     const int64_t rows = s.batch * s.heads * s.q_len;
     const int t = threadIdx.x;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const int64_t i = r % s.q_len, b = r / s.q_len / s.heads, h = r / s.q_len % s.heads;
-        const int64_t q_at = (b * s.q_len + i) * s.heads + h; /* row i of q, o (d_o, dq) */
-        const int64_t kv_at = b * s.kv_len * s.heads + h;     /* row 0 of k, v           */
-        const int64_t n = mpt__cuda_attn_keys(i, s.kv_len, s.causal, s.causal_offset);
-        mpt__cuda_attn_scores(s, q + q_at * s.key_dim, k + kv_at * s.key_dim, n, row);
-        __syncthreads();
-        float most = -INFINITY;
-        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) most = fmaxf(most, row[j]);
-        most = mpt__cuda_attn_block_max(most, red_max);
-        double sum = 0;
-        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
-            sum = __dadd_rn(sum, (double)expf(mpt__fsub_rn(row[j], most)));
-        const float inv_sum = (float)(1.0 / mpt__cuda_attn_block_sum(sum, red));
+        const mpt__cuda_attn_query a = mpt__cuda_attn_softmax_row(s, q, k, r, row, red_max, red);
+        const int64_t n = a.n;
         for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) {
-            float p = mpt__attn_weight(row[j], most, inv_sum);
+            float p = mpt__attn_weight(row[j], a.most, a.inv_sum);
             if (s.dropout)
                 p = mpt__attn_keep(s.key, step, s.rate, (uint64_t)(r * s.kv_len + j))
                         ? mpt__fmul_rn(p, s.keep_scale)
@@ -3833,8 +3828,8 @@ static __global__ void __launch_bounds__(128)
             row[j] = mpt__cuda_attn_operand<T>(p);
         }
         __syncthreads();
-        mpt__cuda_attn_store_o<T> store = {o + q_at * s.value_dim};
-        mpt__cuda_attn_row_times(row, n, v + kv_at * s.value_dim, s.heads * s.value_dim,
+        mpt__cuda_attn_store_o<T> store = {o + a.q_at * s.value_dim};
+        mpt__cuda_attn_row_times(row, n, v + a.kv_at * s.value_dim, s.heads * s.value_dim,
                                  s.value_dim, part, store);
         __syncthreads(); /* row is the next row's */
     }
@@ -3856,27 +3851,16 @@ static __global__ void __launch_bounds__(128)
     const int t = threadIdx.x, G = s.group, lane = t % G, group = t / G;
     const int groups = mpt__cuda_attn_threads / G;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const int64_t i = r % s.q_len, b = r / s.q_len / s.heads, h = r / s.q_len % s.heads;
-        const int64_t q_at = (b * s.q_len + i) * s.heads + h; /* row i of q, o (d_o, dq) */
-        const int64_t kv_at = b * s.kv_len * s.heads + h;     /* row 0 of k, v           */
-        const int64_t n = mpt__cuda_attn_keys(i, s.kv_len, s.causal, s.causal_offset);
-        const T *doi = d_o + q_at * s.value_dim, *v0 = v + kv_at * s.value_dim;
-        mpt__cuda_attn_scores(s, q + q_at * s.key_dim, k + kv_at * s.key_dim, n, pr);
-        __syncthreads();
-        float most = -INFINITY;
-        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads) most = fmaxf(most, pr[j]);
-        most = mpt__cuda_attn_block_max(most, red_max);
-        double sum = 0;
-        for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
-            sum = __dadd_rn(sum, (double)expf(mpt__fsub_rn(pr[j], most)));
-        const float inv_sum = (float)(1.0 / mpt__cuda_attn_block_sum(sum, red));
+        const mpt__cuda_attn_query a = mpt__cuda_attn_softmax_row(s, q, k, r, pr, red_max, red);
+        const int64_t n = a.n;
+        const T *doi = d_o + a.q_at * s.value_dim, *v0 = v + a.kv_at * s.value_dim;
         /* P, and dP = dO_i · V_j through the forward's mask */
         for (int64_t base = 0; base < n; base += groups) {
             const int64_t j = base + group;
             const float dpt = mpt__cuda_attn_dot(doi, j < n ? v0 + j * vld : v0, s.value_dim,
                                                  j < n, lane, G);
             if (j < n && lane == 0) {
-                const float p = mpt__attn_weight(pr[j], most, inv_sum);
+                const float p = mpt__attn_weight(pr[j], a.most, a.inv_sum);
                 float dp = dpt;
                 if (s.dropout)
                     dp = p != 0 && mpt__attn_keep(s.key, step, s.rate, (uint64_t)(r * s.kv_len + j))
@@ -3894,12 +3878,12 @@ static __global__ void __launch_bounds__(128)
         for (int64_t j = t; j < n; j += mpt__cuda_attn_threads)
             dpr[j] = mpt__cuda_attn_operand<T>(mpt__attn_dscore(pr[j], dpr[j], row_dot));
         __syncthreads();
-        mpt__cuda_attn_store_dq store = {dq + q_at * s.key_dim, s.scale};
-        mpt__cuda_attn_row_times(dpr, n, k + kv_at * s.key_dim, s.heads * s.key_dim, s.key_dim,
+        mpt__cuda_attn_store_dq store = {dq + a.q_at * s.key_dim, s.scale};
+        mpt__cuda_attn_row_times(dpr, n, k + a.kv_at * s.key_dim, s.heads * s.key_dim, s.key_dim,
                                  part, store);
         if (t == 0) {
-            stats[3 * r] = most;
-            stats[3 * r + 1] = inv_sum;
+            stats[3 * r] = a.most;
+            stats[3 * r + 1] = a.inv_sum;
             stats[3 * r + 2] = row_dot;
         }
         __syncthreads(); /* pr, dpr are the next row's */

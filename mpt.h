@@ -14470,6 +14470,7 @@ MPTDEF mpt_status mpt_dataset_create(mpt_context *ctx, const mpt_dataset_desc *d
     if (!out) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "dataset: NULL out");
     *out = NULL;
     /* inputs[0] is x, labels[0] y; the others go in d->in and d->lab */
+    memset(&one, 0, sizeof one); /* (gcc -O2 cannot see the check fill it) */
     MPT__CHECK(mpt__check_dataset_desc(ctx, desc, &one));
     desc = &one;
     d = mpt__dataset_new(ctx);

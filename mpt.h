@@ -36119,6 +36119,31 @@ static mpt_status mpt__export_quantized_check(mpt_model *m, const char *format,
     return MPT_OK;
 }
 
+/* The file's inputs and outputs are named as the writers name them
+   ("input", each added input by its InputLayer's name; "output", or each
+   of several outputs by its layer's name): a model whose added input or
+   output layer takes one of the others' names would give a file with two
+   tensors of one name, which ONNX refuses. Layer names are the model's
+   own, each once, so only "input" and "output" can clash. */
+static mpt_status mpt__export_io_names_check(const mpt__export_plan *pl) {
+    const mpt_model *m = pl->m;
+    int k;
+    for (k = 1; k < m->n_inputs; k++) {
+        const char *name = m->layers[m->input_layer[k]].name;
+        if (!strcmp(name, "input") || (mpt__output_count(m) == 1 && !strcmp(name, "output")))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s '%s': input %d is "
+                             "named '%s', the name the file gives %s: name it otherwise",
+                             pl->format, pl->path, k, name,
+                             name[0] == 'i' ? "input 0" : "the output");
+    }
+    for (k = 0; mpt__several_outputs(m) && k < m->n_outputs; k++)
+        if (!strcmp(mpt__output_layer(m, k)->name, "input"))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s '%s': output %d's "
+                             "layer is named 'input', the name the file gives input 0: name it "
+                             "otherwise", pl->format, pl->path, k);
+    return MPT_OK;
+}
+
 /* Checks the call and walks the layers into steps. */
 static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, const char *format,
                                         const char *path, const mpt_export_desc *desc) {
@@ -36162,6 +36187,7 @@ static mpt_status mpt__export_plan_init(mpt__export_plan *pl, mpt_model *m, cons
             return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "export '%s': out of memory", path);
         MPT__CHECK(mpt__download(m, pl->mirror, m->arena[MPT__MEM_PARAMS], bytes));
     }
+    MPT__CHECK(mpt__export_io_names_check(pl));
     MPT__CHECK(mpt__export_graph(pl));
     for (i = 0; i < m->n_layers; i++) MPT__CHECK(mpt__export_layer(pl, &cap, &m->layers[i]));
     return MPT_OK;

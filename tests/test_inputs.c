@@ -499,6 +499,22 @@ static void test_bad_data(void) {
           mpt_context_error(quiet));
     snprintf(path, sizeof path, "%s/two.onnx", tmpdir);
     CHECK(mpt_model_export_onnx(m, path, NULL) == MPT_OK, "ONNX: %s", mpt_context_error(quiet));
+    { /* ... but not an added input named as the file names input 0 */
+        mpt_model *clash = NULL;
+        mpt_node both[2];
+        CHECK(mpt_model_create(quiet, &(mpt_model_desc){.input_shape = {VEC}, .input_rank = 1},
+                               &clash) == MPT_OK,
+              "create: %s", mpt_context_error(quiet));
+        both[0] = mpt_model_input(clash);
+        both[1] = mpt_model_add_input(clash, &(mpt_input_desc){.shape = {3}, .rank = 1,
+                                                               .name = "input"});
+        mpt_dense(clash, mpt_concatenate(clash, 2, both, NULL), &(mpt_dense_desc){.units = 2});
+        test_compile_classifier(quiet, clash);
+        CHECK(mpt_model_build(clash, 4) == MPT_OK, "build: %s", mpt_context_error(quiet));
+        test_expect_error(quiet, mpt_model_export_onnx(clash, path, NULL),
+                          MPT_ERR_INVALID_ARGUMENT, "input 1 is named 'input'", "a clash");
+        mpt_model_destroy(clash);
+    }
     {
         mpt_model *q = NULL;
         test_expect_error(quiet, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,

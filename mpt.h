@@ -10322,6 +10322,7 @@ static void mpt__attn_zero_rows(const mpt_attention_args *a, float *g, int64_t w
 }
 
 #if MPT__X86
+MPT__AVX512_QUIET_BEGIN
 /* dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot) for a row of n, 16 lanes
    at a time: the rule's two rounded steps lane by lane (the explicit
    rounding forms, which no compiler contracts), so the same bits. */
@@ -10338,6 +10339,7 @@ MPT__TARGET_AVX512 static void mpt__attn_dscore_row_avx512(const float *p, float
                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
 }
+MPT__AVX512_QUIET_END
 #endif
 
 /* dS of the block's rows from P (s->p) and dP̃ (s->dp), in place in s->dp
@@ -28632,6 +28634,7 @@ static void mpt__dz_gelu_scalar(mpt_activation act, mpt_dtype dtype, const void 
 }
 
 #if MPT__X86
+MPT__AVX512_QUIET_BEGIN
 /* The exact GELU's 16 lanes at a time, the tails masked, as
    mpt__gelu_backward_loop; each lane of sums its column's running sum. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dz_gelu_loop(
@@ -28666,6 +28669,7 @@ MPT__TARGET_AVX512 static void mpt__dz_gelu_avx512(mpt_dtype dtype, const void *
     else
         mpt__dz_gelu_loop(MPT_FLOAT32, zb, dyb, dzb, r0, r1, cols, c0, c1, sums);
 }
+MPT__AVX512_QUIET_END
 #endif
 
 typedef struct mpt__dz_gelu_job {

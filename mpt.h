@@ -182,8 +182,8 @@
                             row per position of the output's last axis
                             (mpt__loss_rows), the batch tallied by
                             mpt__loss_tally (@backend-shared)
-       dz, bias gradient    mpt__layer_dz (@impl-layer-helpers): for ReLU
-                            and no activation one pass on the CPU
+       dz, bias gradient    mpt__layer_dz (@impl-layer-helpers): for ReLU,
+                            the GELUs and no activation one pass on the CPU
                             (mpt__cpu_dz_and_bias_grad); otherwise, and on
                             CUDA, activation_grad, column_sums and convert
        Conv2D's products    mpt__cpu_conv_direct (@impl-conv-direct): 3×3 of
@@ -3314,10 +3314,11 @@ typedef struct mpt_backend {
                         int accumulate);
     /* activation_grad, column_sums and the rounding of dz to dtype in one
        pass, where the backend can (else 0, nothing done; may be NULL):
-       dz (rows, cols) in dtype = dy · act'(y) for act NONE or RELU, and,
-       unless bias_grad is NULL, bias_grad[j] (+)= Σ_r dz[r][j]. With act
-       NONE, dz may be dy itself: then only the sums are made. scratch
-       holds rows·cols floats. */
+       dz (rows, cols) in dtype = dy · act'(y) for act NONE or RELU, or
+       dy · act'(z) for the GELUs, whose pre-activation z comes in y's
+       place; and, unless bias_grad is NULL, bias_grad[j] (+)= Σ_r
+       dz[r][j]. With act NONE, dz may be dy itself: then only the sums
+       are made. scratch holds rows·cols floats. */
     int (*dz_and_bias_grad)(void *impl, mpt_activation act, mpt_dtype dtype, const void *y,
                             const void *dy, void *dz, float *bias_grad, int accumulate,
                             int64_t rows, int64_t cols, float *scratch);
@@ -5032,8 +5033,9 @@ static void mpt__layer_dz(const mpt__layer *L, const mpt__pass *p, mpt_activatio
                           const void *z, const void *y, const void *dy, float *dz, float *tmp,
                           void *dz_c, float *bias_grad, int accumulate, int64_t rows,
                           int64_t cols) {
-    if (p->be->dz_and_bias_grad && p->be->dz_and_bias_grad(p->impl, act, L->dtype, y, dy, dz_c,
-                                                           bias_grad, accumulate, rows, cols, tmp))
+    if (p->be->dz_and_bias_grad &&
+        p->be->dz_and_bias_grad(p->impl, act, L->dtype, mpt__activation_keeps_z(act) ? z : y, dy,
+                                dz_c, bias_grad, accumulate, rows, cols, tmp))
         return;
     p->be->activation_grad(p->impl, act, L->dtype, z, y, dy, dz, tmp, rows, cols);
     if (bias_grad) p->be->column_sums(p->impl, dz, rows, cols, bias_grad, accumulate);
@@ -5228,21 +5230,27 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     int64_t B = p->batch * mpt__dense_rows(L), in = L->in_shape[L->in_rank - 1];
     int64_t units = d->units, n = B * units;
     mpt_activation act = mpt__pass_activation(p, d->activation);
-    int fused = !mpt__activation_keeps_z(act) && act != MPT_ACT_SOFTMAX;
+    /* The GELUs keep z for backward, so apply after the product, but only
+       in training: inference has the product's epilogue apply them too,
+       each tile while it is in cache (the same function on the same
+       floats: the same bits), with no pass over z. */
+    int keeps_z = mpt__activation_keeps_z(act) && p->training;
+    int fused = !keeps_z && act != MPT_ACT_SOFTMAX;
     /* A backend that rounds C in its epilogue writes y in the compute
-       dtype directly; otherwise the product lands in float32 first. */
+       dtype directly; otherwise the product lands in float32 first, in y
+       itself when that is float32 (z then copied out of it, the
+       activation or softmax applied in place). */
     int rounds_c = fused && L->dtype != MPT_FLOAT32 && p->be->gemm_rounds_c;
     mpt__ws w = {(unsigned char *)p->workspace};
-    float *acc = ((L->dtype == MPT_FLOAT32 || rounds_c) && fused)
-                     ? (float *)p->y
-                     : (float *)mpt__ws_take(&w, 4 * n);
+    float *acc = L->dtype == MPT_FLOAT32 || rounds_c ? (float *)p->y
+                                                     : (float *)mpt__ws_take(&w, 4 * n);
     /* acc (rows, units) = x · kernel */
     mpt_gemm_desc g = mpt__layer_gemm_desc(L, 0, 0, B, units, in, p->x,
                                            mpt__param_compute_copy(L, 0), acc);
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
-    if (mpt__activation_keeps_z(act)) {
+    if (keeps_z) {
         p->be->convert(p->impl, L->dtype, L->saved[0], MPT_FLOAT32, acc, n);
         p->be->activation(p->impl, act, acc, B, units);
     } else if (act == MPT_ACT_SOFTMAX) { /* per row: over the last axis */
@@ -5386,12 +5394,16 @@ static void mpt__activation_layer_backward(mpt__layer *L, const mpt__pass *p) {
     mpt__ws w = {(unsigned char *)p->workspace};
     float *dz = (float *)mpt__ws_take(&w, 4 * n);
     float *tmp = (float *)mpt__ws_take(&w, 4 * n);
+    mpt_activation act = mpt__pass_activation(p, L->desc.activation.activation);
     if (!p->dx) return;
-    if (mpt__activation_relu_pass(L, p, mpt__pass_activation(p, L->desc.activation.activation),
-                                  p->y, p->dy, p->dx))
+    if (mpt__activation_relu_pass(L, p, act, p->y, p->dy, p->dx)) return;
+    /* the GELUs' dx = dy · act'(x) in one pass, as Dense's dz (the same
+       bits as the two below) */
+    if (mpt__activation_keeps_z(act) && p->be->dz_and_bias_grad &&
+        p->be->dz_and_bias_grad(p->impl, act, L->dtype, p->x, p->dy, p->dx, NULL, 0, n / cols,
+                                cols, tmp))
         return;
-    p->be->activation_grad(p->impl, mpt__pass_activation(p, L->desc.activation.activation),
-                           L->dtype, p->x, p->y, p->dy, dz, tmp, n / cols, cols);
+    p->be->activation_grad(p->impl, act, L->dtype, p->x, p->y, p->dy, dz, tmp, n / cols, cols);
     p->be->convert(p->impl, L->dtype, p->dx, MPT_FLOAT32, dz, n);
 }
 
@@ -8572,6 +8584,7 @@ typedef struct mpt__ln_job {
                                      Σ dy and Σ dy · x̂                        */
     mpt__convert_fn widen, narrow; /* dtype to float32 and back              */
     int cpu;                      /* the context's features                  */
+    const mpt_context *ctx;       /* its threads' scratch (backward's groups) */
 } mpt__ln_job;
 
 /* k elements of p (in the job's dtype) from element `at`, as float32 into f. */
@@ -8731,6 +8744,141 @@ MPT__TARGET_AVX512 static void mpt__ln_forward_rows_avx512(const mpt_layernorm_a
     else
         for (r = r0; r < r1; r++) mpt__ln_forward_row_loop(MPT_FLOAT32, a, r);
 }
+
+/* mpt__ln_backward_row for up to MPT__LN_GROUP rows at a time in AVX-512,
+   the same bits. Per element the steps are the scalar loop's: x̂ and ĝ =
+   dy · gamma by @backend-shared's rounded steps lane by lane (the explicit
+   rounding forms, which no compiler contracts), dx = mpt__ln_dx lane by
+   lane, the chunk's column sums Σ dy and Σ dy · x̂ in double 8 columns at a
+   time, each column's rows still added in row order (a product of two
+   floats is exact in double, so whether it is fused with the add does not
+   matter). The two row sums Σ ĝ and Σ ĝ · x̂ are chains of dependent double
+   additions, each in column order: they stay so, but run for the group's
+   rows side by side (ĝ and ĝ · x̂ as doubles in the thread's scratch, then
+   one loop over the columns adding to every row's sums), so the chains'
+   latency is paid once for the group, not once a row. x̂ and ĝ kept from
+   the first pass give dx without reading x and dy again. Scratch: (2
+   doubles + 2 floats) × MPT__LN_GROUP × D. */
+#define MPT__LN_GROUP 4 /* rows side by side; their scratch stays in L1 for D = 256 */
+#define MPT__LN_RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* Whether the group fits a thread's scratch (the scalar rows take larger D). */
+static int mpt__ln_backward_groups_fit(int64_t cols) {
+    return cols <= (int64_t)(MPT__THREAD_SCRATCH_BYTES / (24 * MPT__LN_GROUP));
+}
+
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__ln_backward_group_loop(
+    mpt_dtype dtype, const mpt_layernorm_args *a, int64_t r0, int nr, double *s,
+    unsigned char *scratch) {
+    const int64_t D = a->cols;
+    const size_t es = dtype == MPT_FLOAT32 ? 4 : 2;
+    double *gd = (double *)scratch;                 /* (group, D): ĝ       */
+    double *gxd = gd + MPT__LN_GROUP * D;           /* (group, D): ĝ · x̂   */
+    float *gf = (float *)(gxd + MPT__LN_GROUP * D); /* (group, D): ĝ       */
+    float *xh = gf + MPT__LN_GROUP * D;             /* (group, D): x̂       */
+    double sum_g[MPT__LN_GROUP], sum_gx[MPT__LN_GROUP];
+    int64_t c;
+    int i;
+    for (i = 0; i < nr; i++) {
+        const int64_t r = r0 + i, at = i * D;
+        const char *x = (const char *)a->x + (size_t)(r * D) * es;
+        const char *dy = (const char *)a->dy + (size_t)(r * D) * es;
+        const __m512 vmean = _mm512_set1_ps(a->mean[r]), vinv = _mm512_set1_ps(a->inv_std[r]);
+        for (c = 0; c < D; c += 16) {
+            const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, D - c));
+            const __mmask8 m0 = (__mmask8)m, m1 = (__mmask8)(m >> 8);
+            const __m512 xv = mpt__avx512_load(dtype, x + (size_t)c * es, m);
+            const __m512 dyv = mpt__avx512_load(dtype, dy + (size_t)c * es, m);
+            const __m512 xhat = _mm512_mul_round_ps(_mm512_sub_round_ps(xv, vmean, MPT__LN_RN),
+                                                    vinv, MPT__LN_RN);
+            const __m512 g = _mm512_mul_round_ps(
+                dyv, a->gamma ? _mm512_maskz_loadu_ps(m, a->gamma + c) : _mm512_set1_ps(1.0f),
+                MPT__LN_RN);
+            const __m512d g0 = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+            const __m512d g1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(g, 1));
+            const __m512d x0 = _mm512_cvtps_pd(_mm512_castps512_ps256(xhat));
+            const __m512d x1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(xhat, 1));
+            const __m512d d0 = _mm512_cvtps_pd(_mm512_castps512_ps256(dyv));
+            const __m512d d1 = _mm512_cvtps_pd(_mm512_extractf32x8_ps(dyv, 1));
+            _mm512_mask_storeu_ps(gf + at + c, m, g);
+            _mm512_mask_storeu_ps(xh + at + c, m, xhat);
+            _mm512_mask_storeu_pd(gd + at + c, m0, g0);
+            _mm512_mask_storeu_pd(gxd + at + c, m0, _mm512_mul_pd(g0, x0));
+            _mm512_mask_storeu_pd(s + c, m0, _mm512_add_pd(_mm512_maskz_loadu_pd(m0, s + c), d0));
+            _mm512_mask_storeu_pd(s + D + c, m0,
+                                  _mm512_add_pd(_mm512_maskz_loadu_pd(m0, s + D + c),
+                                                _mm512_mul_pd(d0, x0)));
+            if (m1) {
+                _mm512_mask_storeu_pd(gd + at + c + 8, m1, g1);
+                _mm512_mask_storeu_pd(gxd + at + c + 8, m1, _mm512_mul_pd(g1, x1));
+                _mm512_mask_storeu_pd(s + c + 8, m1,
+                                      _mm512_add_pd(_mm512_maskz_loadu_pd(m1, s + c + 8), d1));
+                _mm512_mask_storeu_pd(s + D + c + 8, m1,
+                                      _mm512_add_pd(_mm512_maskz_loadu_pd(m1, s + D + c + 8),
+                                                    _mm512_mul_pd(d1, x1)));
+            }
+        }
+    }
+    if (!a->dx) return;
+    /* the rows' chains side by side, each in column order from 0 (named
+       accumulators: in registers, not an array in memory) */
+    if (nr == MPT__LN_GROUP) {
+        double g0 = 0, g1 = 0, g2 = 0, g3 = 0, x0 = 0, x1 = 0, x2 = 0, x3 = 0;
+        for (c = 0; c < D; c++) {
+            g0 += gd[c];
+            g1 += gd[D + c];
+            g2 += gd[2 * D + c];
+            g3 += gd[3 * D + c];
+            x0 += gxd[c];
+            x1 += gxd[D + c];
+            x2 += gxd[2 * D + c];
+            x3 += gxd[3 * D + c];
+        }
+        sum_g[0] = g0, sum_g[1] = g1, sum_g[2] = g2, sum_g[3] = g3;
+        sum_gx[0] = x0, sum_gx[1] = x1, sum_gx[2] = x2, sum_gx[3] = x3;
+    } else {
+        for (i = 0; i < nr; i++) sum_g[i] = sum_gx[i] = 0;
+        for (c = 0; c < D; c++)
+            for (i = 0; i < nr; i++) {
+                sum_g[i] += gd[i * D + c];
+                sum_gx[i] += gxd[i * D + c];
+            }
+    }
+    for (i = 0; i < nr; i++) {
+        const int64_t r = r0 + i, at = i * D;
+        char *dx = (char *)a->dx + (size_t)(r * D) * es;
+        const __m512 vinv = _mm512_set1_ps(a->inv_std[r]);
+        const __m512 vmg = _mm512_set1_ps(mpt__ln_row_mean(sum_g[i], D));
+        const __m512 vmgx = _mm512_set1_ps(mpt__ln_row_mean(sum_gx[i], D));
+        for (c = 0; c < D; c += 16) {
+            const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, D - c));
+            const __m512 g = _mm512_maskz_loadu_ps(m, gf + at + c);
+            const __m512 xhat = _mm512_maskz_loadu_ps(m, xh + at + c);
+            const __m512 t = _mm512_sub_round_ps(_mm512_sub_round_ps(g, vmg, MPT__LN_RN),
+                                                 _mm512_mul_round_ps(xhat, vmgx, MPT__LN_RN),
+                                                 MPT__LN_RN);
+            mpt__avx512_store(dtype, dx + (size_t)c * es, _mm512_mul_round_ps(vinv, t, MPT__LN_RN),
+                              m);
+        }
+    }
+}
+
+/* Rows [r0, r1) of a chunk whose column sums are s (2, D), in groups. */
+MPT__TARGET_AVX512 static void mpt__ln_backward_rows_avx512(const mpt_layernorm_args *a,
+                                                           int64_t r0, int64_t r1, double *s,
+                                                           unsigned char *scratch) {
+    int64_t r;
+    for (r = r0; r < r1; r += MPT__LN_GROUP) {
+        const int nr = (int)MPT__MIN(MPT__LN_GROUP, r1 - r);
+        if (a->dtype == MPT_BFLOAT16)
+            mpt__ln_backward_group_loop(MPT_BFLOAT16, a, r, nr, s, scratch);
+        else if (a->dtype == MPT_FLOAT16)
+            mpt__ln_backward_group_loop(MPT_FLOAT16, a, r, nr, s, scratch);
+        else
+            mpt__ln_backward_group_loop(MPT_FLOAT32, a, r, nr, s, scratch);
+    }
+}
+#undef MPT__LN_RN
 MPT__AVX512_QUIET_END
 #endif
 
@@ -8747,13 +8895,24 @@ static void mpt__ln_forward_task(void *arg, int64_t chunk, int thread) {
     for (r = r0; r < r1; r++) mpt__ln_forward_row(j, r);
 }
 
+/* Defined below, in @impl-threads. */
+static void *mpt__thread_scratch(const mpt_context *ctx, int thread);
+
 static void mpt__ln_backward_task(void *arg, int64_t chunk, int thread) {
     const mpt__ln_job *j = (const mpt__ln_job *)arg;
     const int64_t D = j->a->cols;
     int64_t r0 = chunk * j->chunk_rows, r1 = MPT__MIN(j->a->rows, r0 + j->chunk_rows), r, c;
     double *s = j->part + 2 * D * chunk;
-    (void)thread;
     for (c = 0; c < 2 * D; c++) s[c] = 0;
+#if MPT__X86
+    if ((j->cpu & MPT_CPU_AVX512) && mpt__ln_backward_groups_fit(D)) {
+        mpt__ln_backward_rows_avx512(j->a, r0, r1, s,
+                                     (unsigned char *)mpt__thread_scratch(j->ctx, thread));
+        return;
+    }
+#else
+    (void)thread;
+#endif
     for (r = r0; r < r1; r++) mpt__ln_backward_row(j, r, s);
 }
 
@@ -8782,6 +8941,7 @@ static mpt__ln_job mpt__ln_job_for(const mpt_context *ctx, const mpt_layernorm_a
     j.widen = half ? mpt__convert_kernel(ctx->cpu, MPT_FLOAT32, a->dtype) : mpt__ln_copy;
     j.narrow = half ? mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32) : mpt__ln_copy;
     j.cpu = ctx->cpu;
+    j.ctx = ctx;
     return j;
 }
 
@@ -9573,20 +9733,24 @@ static float mpt__attn_drop(const mpt__attn_job *j, int64_t b, int64_t h, int64_
 }
 
 /* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
-   stride n) holds the raw products Q·Kᵀ and becomes P; s.p_op gets P̃
-   (dropout applied) in dtype, zero past each row's last key seen. */
-static void mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
-                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+   stride n) holds the raw products Q·Kᵀ and becomes P. Returns P̃
+   (dropout applied) in dtype as the products' operand, zero past each
+   row's last key seen: s.p_op, or P itself where there is no dropout and
+   the dtype is float32 (no copy; nothing writes s.p while P̃ is read). */
+static const void *mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                                     int64_t rows, int64_t n, const mpt__attn_scratch *s) {
     const mpt_attention_args *a = j->a;
     int64_t r, c;
     for (r = 0; r < rows; r++) {
         float *p = s->p + r * n;
         int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
         mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
-        for (c = 0; c < n; c++) /* the block's P̃, narrowed below */
-            s->dp[r * n + c] = j->dropout && c < seen ? mpt__attn_drop(j, b, h, i, c, p[c]) : p[c];
+        for (c = 0; j->dropout && c < n; c++) /* the block's P̃, narrowed below */
+            s->dp[r * n + c] = c < seen ? mpt__attn_drop(j, b, h, i, c, p[c]) : p[c];
     }
-    mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, s->dp, rows * n);
+    if (!j->dropout && a->dtype == MPT_FLOAT32) return s->p;
+    mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, j->dropout ? s->dp : s->p, rows * n);
+    return s->p_op;
 }
 
 /* The keys the block's rows see between them: up to the last row's. */
@@ -9618,15 +9782,16 @@ static void mpt__attn_forward_task(void *arg, int64_t task, int thread) {
     mpt__attn_scratch s = mpt__attn_scratch_for(j, thread);
     char *o = (char *)mpt__attn_rows(a, a->o, a->q_len, a->value_dim, b, h, i0, es);
     int64_t r;
+    const void *p_op;
     mpt__attn_scores(j, b, h, i0, rows, n, &s);
-    mpt__attn_weights(j, b, h, i0, rows, n, &s);
+    p_op = mpt__attn_weights(j, b, h, i0, rows, n, &s);
     if (a->dtype == MPT_FLOAT32) { /* straight into o's rows */
-        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, p_op, n,
                        mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld,
                        1.0f, 0.0f, (float *)o, v_ld);
         return;
     }
-    mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, s.p_op, n,
+    mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->value_dim, n, p_op, n,
                    mpt__attn_rows(a, a->v, a->kv_len, a->value_dim, b, h, 0, es), v_ld, 1.0f,
                    0.0f, s.o, a->value_dim);
     for (r = 0; r < rows; r++)
@@ -9643,23 +9808,74 @@ static void mpt__attn_zero_rows(const mpt_attention_args *a, float *g, int64_t w
                sizeof(float) * (size_t)width);
 }
 
-/* dS of the block's rows from P (s->p) and dP̃ (s->dp), into s->ds_op in
-   dtype: dP is dP̃ through the forward's mask and scale. */
-static void mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
-                              int64_t rows, int64_t n, const mpt__attn_scratch *s) {
-    int64_t r, c;
-    for (r = 0; r < rows; r++) {
-        const float *p = s->p + r * n;
-        float *dp = s->dp + r * n, row_dot;
-        double dot = 0;
-        if (j->dropout)
-            for (c = 0; c < n; c++)
-                dp[c] = p[c] != 0 ? mpt__attn_drop(j, b, h, i0 + r, c, dp[c]) : 0.0f;
-        for (c = 0; c < n; c++) dot += (double)p[c] * dp[c];
-        row_dot = (float)dot;
-        for (c = 0; c < n; c++) dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot);
+#if MPT__X86
+MPT__AVX512_QUIET_BEGIN
+/* dp[c] = mpt__attn_dscore(p[c], dp[c], row_dot) for a row of n, 16 lanes
+   at a time: the rule's two rounded steps lane by lane (the explicit
+   rounding forms, which no compiler contracts), so the same bits. */
+MPT__TARGET_AVX512 static void mpt__attn_dscore_row_avx512(const float *p, float *dp, int64_t n,
+                                                          float row_dot) {
+    const __m512 rd = _mm512_set1_ps(row_dot);
+    int64_t c;
+    for (c = 0; c < n; c += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - c));
+        const __m512 d = _mm512_sub_round_ps(_mm512_maskz_loadu_ps(m, dp + c), rd,
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm512_mask_storeu_ps(dp + c, m,
+                              _mm512_mul_round_ps(_mm512_maskz_loadu_ps(m, p + c), d,
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
+}
+MPT__AVX512_QUIET_END
+#endif
+
+/* dS of the block's rows from P (s->p) and dP̃ (s->dp), in place in s->dp
+   (float32); returns it in dtype as the products' operand: s->ds_op, or
+   s->dp itself in float32. dP is dP̃ through the forward's mask and scale.
+   Each row's Σ P·dP in double is a chain of dependent additions in key
+   order: four rows' chains run side by side (the same order each, so the
+   same bits), which takes about a quarter of one chain after another. */
+static const void *mpt__attn_dscores(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                                     int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const float *p = s->p;
+    float *dp = s->dp;
+    float row_dot[MPT__ATTN_BLOCK];
+    int64_t r, c;
+    for (r = 0; j->dropout && r < rows; r++)
+        for (c = 0; c < n; c++)
+            dp[r * n + c] =
+                p[r * n + c] != 0 ? mpt__attn_drop(j, b, h, i0 + r, c, dp[r * n + c]) : 0.0f;
+    for (r = 0; r + 4 <= rows; r += 4) {
+        const float *p0 = p + r * n, *p1 = p0 + n, *p2 = p1 + n, *p3 = p2 + n;
+        const float *d0 = dp + r * n, *d1 = d0 + n, *d2 = d1 + n, *d3 = d2 + n;
+        double dot0 = 0, dot1 = 0, dot2 = 0, dot3 = 0;
+        for (c = 0; c < n; c++) {
+            dot0 += (double)p0[c] * d0[c];
+            dot1 += (double)p1[c] * d1[c];
+            dot2 += (double)p2[c] * d2[c];
+            dot3 += (double)p3[c] * d3[c];
+        }
+        row_dot[r] = (float)dot0, row_dot[r + 1] = (float)dot1;
+        row_dot[r + 2] = (float)dot2, row_dot[r + 3] = (float)dot3;
+    }
+    for (; r < rows; r++) {
+        double dot = 0;
+        for (c = 0; c < n; c++) dot += (double)p[r * n + c] * dp[r * n + c];
+        row_dot[r] = (float)dot;
+    }
+    for (r = 0; r < rows; r++) {
+#if MPT__X86
+        if (j->ctx->cpu & MPT_CPU_AVX512) {
+            mpt__attn_dscore_row_avx512(p + r * n, dp + r * n, n, row_dot[r]);
+            continue;
+        }
+#endif
+        for (c = 0; c < n; c++)
+            dp[r * n + c] = mpt__attn_dscore(p[r * n + c], dp[r * n + c], row_dot[r]);
+    }
+    if (j->a->dtype == MPT_FLOAT32) return s->dp;
     mpt__convert(j->ctx, j->a->dtype, s->ds_op, MPT_FLOAT32, s->dp, rows * n);
+    return s->ds_op;
 }
 
 /* Backward, task = (sample, head): every query block in order, each adding
@@ -9684,18 +9900,19 @@ static void mpt__attn_backward_task(void *arg, int64_t task, int thread) {
         const char *q = mpt__attn_rows(a, a->q, a->q_len, a->key_dim, b, h, i0, es);
         const char *d_o = mpt__attn_rows(a, a->d_o, a->q_len, a->value_dim, b, h, i0, es);
         float *dq = (float *)mpt__attn_rows(a, a->dq, a->q_len, a->key_dim, b, h, i0, 4);
+        const void *p_op, *ds_op;
         mpt__attn_scores(j, b, h, i0, rows, n, &s);
-        mpt__attn_weights(j, b, h, i0, rows, n, &s);
+        p_op = mpt__attn_weights(j, b, h, i0, rows, n, &s);
         /* dV += P̃ᵀ · dO;  dP̃ = dO · Vᵀ */
-        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->value_dim, rows, s.p_op, n, d_o, v_ld, 1.0f,
+        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->value_dim, rows, p_op, n, d_o, v_ld, 1.0f,
                        1.0f, dv, v_ld);
         mpt__attn_gemm(j->ctx, a->dtype, 0, 1, rows, n, a->value_dim, d_o, v_ld, v, v_ld, 1.0f,
                        0.0f, s.dp, n);
-        mpt__attn_dscores(j, b, h, i0, rows, n, &s);
+        ds_op = mpt__attn_dscores(j, b, h, i0, rows, n, &s);
         /* dQ = scale · dS · K;  dK += scale · dSᵀ · Q */
-        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->key_dim, n, s.ds_op, n, k, qk, a->scale,
+        mpt__attn_gemm(j->ctx, a->dtype, 0, 0, rows, a->key_dim, n, ds_op, n, k, qk, a->scale,
                        0.0f, dq, qk);
-        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->key_dim, rows, s.ds_op, n, q, qk, a->scale,
+        mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->key_dim, rows, ds_op, n, q, qk, a->scale,
                        1.0f, dk, qk);
     }
 }
@@ -28421,6 +28638,154 @@ static void mpt__dz_block(int cpu, mpt_dtype dtype, int relu, const void *y, con
     mpt__dz_block_scalar(dtype, relu, y, dy, dz, rows, cols, sums);
 }
 
+/* ---- the GELUs' dz and bias gradient in one pass ----------------------------
+   The GELUs' dz = dy · GELU'(z) reads the pre-activation z, which Dense
+   keeps from its forward. Apart, the gradient (z and dy read, dz written
+   in float32), the bias gradient's column sums (dz read again) and dz
+   rounded to the compute dtype (read and written again) took three passes
+   over the (rows, cols) matrix, at the size of a transformer's widest:
+   one pass here reads z and dy once and writes dz once, in dtype. Each
+   element is the gradient's own arithmetic (mpt__activation_grad's: with
+   AVX-512 the exact GELU's mpt__gelu_derivative_avx512 times dy, as
+   mpt__gelu_backward_avx512; else dy · mpt__gelu_derivative(z) or
+   · mpt__gelu_tanh_derivative(z), as mpt__activation_backward), rounded
+   as mpt__convert rounds; and each column's sum adds its rows in row
+   order to what was there (0 unless accumulating), as column_sums does.
+   So dz and the bias gradient have the bits of the three passes (ReLU's
+   pass above sums by blocks of rows instead, which the GELUs' never did).
+   A task takes every row of a range of columns when there are sums to
+   make, a range of rows when not: each column's order is the same on any
+   number of threads. */
+
+/* Rows [r0, r1) × columns [c0, c1) of (rows, cols) matrices in dtype:
+   dz = dy · act'(z) and, unless sums is NULL, sums[j] += dz[r][j] in row
+   order (the float32 value, before its rounding to dtype). */
+static void mpt__dz_gelu_scalar(mpt_activation act, mpt_dtype dtype, const void *z,
+                                const void *dy, void *dz, int64_t r0, int64_t r1, int64_t cols,
+                                int64_t c0, int64_t c1, float *sums) {
+    int64_t r, j;
+    for (r = r0; r < r1; r++)
+        for (j = c0; j < c1; j++) {
+            const int64_t i = r * cols + j;
+            const float zi = mpt__load_f32(dtype, z, i), dyi = mpt__load_f32(dtype, dy, i);
+            const float d = act == MPT_ACT_GELU ? dyi * mpt__gelu_derivative(zi)
+                                                : dyi * mpt__gelu_tanh_derivative(zi);
+            mpt__store_f32(dtype, dz, i, d);
+            if (sums) sums[j] += d;
+        }
+}
+
+#if MPT__X86
+MPT__AVX512_QUIET_BEGIN
+/* The exact GELU's 16 lanes at a time, the tails masked, as
+   mpt__gelu_backward_loop; each lane of sums its column's running sum. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__dz_gelu_loop(
+    mpt_dtype dtype, const unsigned char *z, const unsigned char *dy, unsigned char *dz,
+    int64_t r0, int64_t r1, int64_t cols, int64_t c0, int64_t c1, float *sums) {
+    const size_t es = mpt_dtype_size(dtype);
+    int64_t r, j;
+    for (r = r0; r < r1; r++)
+        for (j = c0; j < c1; j += 16) {
+            const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, c1 - j));
+            const size_t at = (size_t)(r * cols + j) * es;
+            const __m512 zv = mpt__avx512_load(dtype, z + at, m);
+            const __m512 d = _mm512_mul_ps(mpt__avx512_load(dtype, dy + at, m),
+                                           mpt__gelu_derivative_avx512(zv));
+            mpt__avx512_store(dtype, dz + at, d, m);
+            if (sums)
+                _mm512_mask_storeu_ps(sums + j, m,
+                                      _mm512_add_ps(_mm512_maskz_loadu_ps(m, sums + j), d));
+        }
+}
+
+MPT__TARGET_AVX512 static void mpt__dz_gelu_avx512(mpt_dtype dtype, const void *z, const void *dy,
+                                                  void *dz, int64_t r0, int64_t r1, int64_t cols,
+                                                  int64_t c0, int64_t c1, float *sums) {
+    const unsigned char *zb = (const unsigned char *)z, *dyb = (const unsigned char *)dy;
+    unsigned char *dzb = (unsigned char *)dz;
+    /* one loop per dtype, so its loads and stores are decided once */
+    if (dtype == MPT_BFLOAT16)
+        mpt__dz_gelu_loop(MPT_BFLOAT16, zb, dyb, dzb, r0, r1, cols, c0, c1, sums);
+    else if (dtype == MPT_FLOAT16)
+        mpt__dz_gelu_loop(MPT_FLOAT16, zb, dyb, dzb, r0, r1, cols, c0, c1, sums);
+    else
+        mpt__dz_gelu_loop(MPT_FLOAT32, zb, dyb, dzb, r0, r1, cols, c0, c1, sums);
+}
+MPT__AVX512_QUIET_END
+#endif
+
+typedef struct mpt__dz_gelu_job {
+    int cpu;
+    mpt_activation act;
+    mpt_dtype dtype;
+    const void *z, *dy;
+    void *dz;
+    float *sums;          /* the bias gradient, or NULL                     */
+    int64_t rows, cols;
+    int64_t span;         /* a task's columns (with sums) or rows (without) */
+} mpt__dz_gelu_job;
+
+static void mpt__dz_gelu_task(void *arg, int64_t task, int thread) {
+    const mpt__dz_gelu_job *j = (const mpt__dz_gelu_job *)arg;
+    int64_t r0 = 0, r1 = j->rows, c0 = 0, c1 = j->cols;
+    (void)thread;
+    if (j->sums) {
+        c0 = task * j->span;
+        c1 = MPT__MIN(j->cols, c0 + j->span);
+    } else {
+        r0 = task * j->span;
+        r1 = MPT__MIN(j->rows, r0 + j->span);
+    }
+#if MPT__X86
+    if (j->act == MPT_ACT_GELU && (j->cpu & MPT_CPU_AVX512)) {
+        mpt__dz_gelu_avx512(j->dtype, j->z, j->dy, j->dz, r0, r1, j->cols, c0, c1, j->sums);
+        return;
+    }
+#endif
+    mpt__dz_gelu_scalar(j->act, j->dtype, j->z, j->dy, j->dz, r0, r1, j->cols, c0, c1, j->sums);
+}
+
+/* Defined below, in @impl-cpu-backend: the rows an elementwise task takes. */
+static int64_t mpt__elementwise_task_rows(int64_t cols);
+
+/* mpt_backend.dz_and_bias_grad for the GELUs (act GELU or GELU_TANH), z
+   their pre-activation: dz (rows, cols) in dtype and, unless bias_grad is
+   NULL, bias_grad[j] (+)= Σ_r dz[r][j] in row order. Small matrices stay
+   on the calling thread; larger ones go to the pool by columns of 16
+   (sums) or rows (none). */
+static void mpt__dz_gelu(mpt_context *ctx, mpt_activation act, mpt_dtype dtype, const void *z,
+                         const void *dy, void *dz, float *bias_grad, int accumulate, int64_t rows,
+                         int64_t cols) {
+    mpt__dz_gelu_job j;
+    const int64_t task_rows = mpt__elementwise_task_rows(cols);
+    int64_t tasks;
+    j.cpu = ctx->cpu;
+    j.act = act;
+    j.dtype = dtype;
+    j.z = z;
+    j.dy = dy;
+    j.dz = dz;
+    j.sums = bias_grad;
+    j.rows = rows;
+    j.cols = cols;
+    if (bias_grad && !accumulate) memset(bias_grad, 0, sizeof(float) * (size_t)cols);
+    if (rows <= 2 * task_rows || ctx->num_threads <= 1) {
+        j.span = bias_grad ? cols : rows;
+        tasks = 1;
+    } else if (bias_grad) { /* the columns in as many ranges of 16 as threads */
+        const int64_t ranges = MPT__MIN((cols + 15) / 16, (int64_t)ctx->num_threads);
+        j.span = ((cols + ranges - 1) / ranges + 15) / 16 * 16;
+        tasks = (cols + j.span - 1) / j.span;
+    } else {
+        j.span = task_rows;
+        tasks = (rows + task_rows - 1) / task_rows;
+    }
+    if (tasks > 1)
+        mpt__parallel_for(ctx, tasks, mpt__dz_gelu_task, &j);
+    else
+        mpt__dz_gelu_task(&j, 0, 0);
+}
+
 /* =============================================================================
    @impl-conv-direct: Conv2D's direct AVX-512 tiles, forward and input gradient
    ============================================================================= */
@@ -40550,6 +40915,11 @@ static int mpt__cpu_dz_and_bias_grad(void *impl, mpt_activation act, mpt_dtype d
                                      float *scratch) {
     mpt__dz_job j;
     int64_t blocks, b, c;
+    if (mpt__activation_keeps_z(act)) { /* the GELUs: y is z (@impl-layer-kernels) */
+        mpt__dz_gelu((mpt_context *)impl, act, dtype, y, dy, dz, bias_grad, accumulate, rows,
+                     cols);
+        return 1;
+    }
     if (act != MPT_ACT_NONE && act != MPT_ACT_RELU) return 0;
     j.cpu = ((mpt_context *)impl)->cpu;
     j.relu = act == MPT_ACT_RELU;

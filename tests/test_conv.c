@@ -1860,7 +1860,8 @@ static void test_backward_elementwise_threads(void) {
    in row order, the blocks then added in order to what was there), on 1 and 2
    threads at every SIMD level; and within a few float32 roundings of the
    exact sums. Outputs poisoned first; a NaN y passes dy, as ReLU's
-   gradient does. Activations it does not do are declined untouched. */
+   gradient does. Activations it does not do are declined untouched (the
+   GELUs': test_dz_gelu). */
 static void test_dz_and_bias_grad(void) {
     static const struct {
         mpt_activation act;
@@ -1935,10 +1936,10 @@ static void test_dz_and_bias_grad(void) {
                 close &= fabs(sums[i] - exact[i]) <= 1e-5 * (double)rows;
             CHECK(close, "bias gradient far from the exact sums");
             for (i = 0; i < cols; i++) sums[i] = 7.0f;
-            CHECK(mpt__cpu_table.dz_and_bias_grad(c, MPT_ACT_GELU, dt, y, dy, dz, sums, 0, rows,
-                                                   cols, tmp) == 0 &&
+            CHECK(mpt__cpu_table.dz_and_bias_grad(c, MPT_ACT_SIGMOID, dt, y, dy, dz, sums, 0,
+                                                   rows, cols, tmp) == 0 &&
                       sums[0] == 7.0f && memcmp(dz, want, es * (size_t)n) == 0,
-                  "GELU declined, nothing written");
+                  "sigmoid declined, nothing written");
             test__end("dz and bias gradient %s %s %s %lldx%lld on %d threads%s",
                       simd_levels[level].name, mpt_activation_name(cases[k].act),
                       mpt_dtype_name(dt), (long long)rows, (long long)cols, threads,
@@ -1948,6 +1949,83 @@ static void test_dz_and_bias_grad(void) {
             free(y), free(dy), free(dz), free(want), free(dzf), free(tmp), free(sums),
                 free(want_sums), free(part), free(exact);
         }
+}
+
+/* The same one pass for the GELUs, z (their pre-activation) in y's
+   place, against the three calls it replaces, bit for bit: dz
+   activation_grad's float32 rounded by convert, and the bias gradient
+   column_sums' (each column's rows added in row order to what was there),
+   on 1 and 3 threads at every SIMD level, with and without a bias, fresh
+   and accumulated; wide enough to go to the pool, narrow and odd. z holds
+   a NaN, ±inf, zeros and values past GELU's tails (a column's sum of two
+   different NaNs may keep either: any NaN matches any); outputs poisoned
+   first. */
+static void test_dz_gelu(void) {
+    static const struct {
+        mpt_activation act;
+        mpt_dtype dtype;
+        int64_t rows, cols;
+    } cases[] = {
+        {MPT_ACT_GELU, MPT_FLOAT32, 300, 1024},     {MPT_ACT_GELU, MPT_BFLOAT16, 257, 1000},
+        {MPT_ACT_GELU, MPT_FLOAT16, 4001, 37},      {MPT_ACT_GELU_TANH, MPT_FLOAT32, 129, 515},
+        {MPT_ACT_GELU_TANH, MPT_BFLOAT16, 70, 256}, {MPT_ACT_GELU, MPT_BFLOAT16, 3, 5},
+    };
+    int k, threads, level, mode;
+    for (level = 0; level < SIMD_LEVELS; level++)
+        for (k = 0; k < (int)(sizeof cases / sizeof cases[0]); k++)
+            for (threads = 1; threads <= 3; threads += 2)
+                for (mode = 0; mode < 3; mode++) { /* no bias, fresh, accumulated */
+                    const int64_t rows = cases[k].rows, cols = cases[k].cols, n = rows * cols;
+                    const mpt_dtype dt = cases[k].dtype;
+                    const size_t es = mpt_dtype_size(dt);
+                    unsigned char *z = (unsigned char *)malloc(es * (size_t)n);
+                    unsigned char *dy = (unsigned char *)malloc(es * (size_t)n);
+                    unsigned char *dz = (unsigned char *)malloc(es * (size_t)n);
+                    unsigned char *want = (unsigned char *)malloc(es * (size_t)n);
+                    float *dzf = (float *)malloc(sizeof(float) * (size_t)n);
+                    float *tmp = (float *)malloc(sizeof(float) * (size_t)n);
+                    float *sums = (float *)malloc(sizeof(float) * (size_t)cols);
+                    float *want_sums = (float *)malloc(sizeof(float) * (size_t)cols);
+                    static const float specials[] = {NAN, INFINITY, -INFINITY, 0.0f, -0.0f,
+                                                     9.5f, -9.5f, 30.0f, -30.0f};
+                    mpt_context *c = NULL;
+                    int64_t i;
+                    test__begin();
+                    c = path_ctx(threads, simd_levels[level].disable);
+                    test_seed(91 + (uint64_t)k);
+                    for (i = 0; i < n; i++) {
+                        mpt__store_f32(dt, z, i,
+                                       i % 97 < 9 ? specials[i % 97] : (float)test_uniform(-6, 6));
+                        mpt__store_f32(dt, dy, i, (float)test_uniform(-1, 1));
+                    }
+                    memset(dz, 0xff, es * (size_t)n); /* NaN in every dtype */
+                    for (i = 0; i < cols; i++)
+                        want_sums[i] = sums[i] = mode == 2 ? (float)test_uniform(-1, 1) : NAN;
+                    /* the three calls: gradient, column sums, rounding */
+                    mpt__cpu_table.activation_grad(c, cases[k].act, dt, z, NULL, dy, dzf, tmp,
+                                                   rows, cols);
+                    if (mode) mpt__cpu_table.column_sums(c, dzf, rows, cols, want_sums, mode == 2);
+                    mpt__cpu_table.convert(c, dt, want, MPT_FLOAT32, dzf, n);
+                    CHECK(mpt__cpu_table.dz_and_bias_grad(c, cases[k].act, dt, z, dy, dz,
+                                                           mode ? sums : NULL, mode == 2, rows,
+                                                           cols, tmp) == 1,
+                          "taken");
+                    CHECK(memcmp(dz, want, es * (size_t)n) == 0,
+                          "dz differs from the GELU's gradient rounded to dtype");
+                    for (i = 0; i < cols; i++) /* a NaN's sign and payload are the compiler's */
+                        if (memcmp(&sums[i], &want_sums[i], sizeof(float)) &&
+                            !(isnan(sums[i]) && isnan(want_sums[i])))
+                            break;
+                    CHECK(i == cols, "bias gradient differs from column_sums' at column %lld",
+                          (long long)i);
+                    test__end("dz and bias gradient %s %s %s %lldx%lld on %d threads%s",
+                              simd_levels[level].name, mpt_activation_name(cases[k].act),
+                              mpt_dtype_name(dt), (long long)rows, (long long)cols, threads,
+                              mode == 0 ? ", no bias" : mode == 2 ? ", accumulated" : "");
+                    mpt_context_destroy(c);
+                    free(z), free(dy), free(dz), free(want), free(dzf), free(tmp), free(sums),
+                        free(want_sums);
+                }
 }
 
 int main(void) {
@@ -1964,6 +2042,7 @@ int main(void) {
     test_winograd_kernel_grad();
     test_backward_elementwise_threads();
     test_dz_and_bias_grad();
+    test_dz_gelu();
     test_conv_gradients();
     test_pool_gradients();
     test_max_pool_exact();

@@ -1209,6 +1209,93 @@ static void test_ln_simd_matches_portable(void) {
     mpt_context_destroy(plain);
 }
 
+/* LayerNormalization's AVX-512 backward (rows in groups, their sums side
+   by side) against the portable one, bit for bit: dx, dgamma and dbeta,
+   for D of 1 to 1000 (masked tails) and one past what a group's scratch
+   holds (the portable rows then), rows in whole groups and a tail across
+   several chunks, each dtype, with and without gamma, without dx, on 1 and
+   3 threads. */
+static void test_ln_backward_simd_matches_portable(void) {
+    static const int64_t widths[] = {1, 7, 16, 33, 256, 1000, 30000};
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
+    mpt_context *plain = NULL, *simd[2] = {NULL, NULL};
+    int wi, di, variant, t;
+    if (!(mpt_context_cpu_features(ctx) & MPT_CPU_AVX512)) {
+        SKIP("no AVX-512 on this CPU");
+        return;
+    }
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1, .disable_cpu_features = ~0}, &plain);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &simd[0]);
+    mpt_context_create(&(mpt_context_desc){.num_threads = 3}, &simd[1]);
+    if (!plain || !simd[0] || !simd[1]) {
+        CHECK(0, "context");
+        mpt_context_destroy(plain), mpt_context_destroy(simd[0]), mpt_context_destroy(simd[1]);
+        return;
+    }
+    for (wi = 0; wi < 7; wi++)
+        for (di = 0; di < 3; di++)
+            for (variant = 0; variant < 3; variant++) { /* gamma; no gamma; no dx */
+                const int64_t D = widths[wi], rows = D > 1000 ? 11 : 16384 / D * 2 + 13;
+                const int64_t n = rows * D;
+                const mpt_dtype dt = dts[di];
+                const size_t es = mpt_dtype_size(dt);
+                const int64_t ws = mpt__cpu_table.layernorm_workspace(plain, dt, rows, D);
+                void *x = malloc((size_t)n * es), *y = malloc((size_t)n * es);
+                void *dy = malloc((size_t)n * es), *dx[2] = {malloc((size_t)n * es),
+                                                             malloc((size_t)n * es)};
+                float *gamma = (float *)malloc(sizeof(float) * (size_t)D);
+                float *beta = (float *)malloc(sizeof(float) * (size_t)D);
+                float *dg[2], *db[2];
+                float *mean = (float *)malloc(sizeof(float) * (size_t)rows);
+                float *inv = (float *)malloc(sizeof(float) * (size_t)rows);
+                void *work = malloc((size_t)ws);
+                int64_t i;
+                mpt_layernorm_args a;
+                for (t = 0; t < 2; t++) {
+                    dg[t] = (float *)malloc(sizeof(float) * (size_t)D);
+                    db[t] = (float *)malloc(sizeof(float) * (size_t)D);
+                }
+                for (i = 0; i < n; i++) {
+                    mpt__store_f32(dt, x, i, (float)test_uniform(-3, 5));
+                    mpt__store_f32(dt, dy, i, (float)test_uniform(-1, 1));
+                }
+                for (i = 0; i < D; i++) {
+                    gamma[i] = (float)test_uniform(0.5, 1.5);
+                    beta[i] = (float)test_uniform(-1, 1);
+                }
+                memset(&a, 0, sizeof a);
+                a.dtype = dt, a.rows = rows, a.cols = D, a.epsilon = 1e-5f, a.x = x, a.y = y;
+                a.gamma = variant == 1 ? NULL : gamma, a.beta = beta;
+                a.mean = mean, a.inv_std = inv, a.dy = dy, a.workspace = work;
+                mpt__cpu_table.layernorm_forward(plain, &a);
+                for (t = 0; t < 3; t++) { /* portable, then AVX-512 on 1 and 3 threads */
+                    const int k = t ? 1 : 0;
+                    memset(dx[k], 0xff, (size_t)n * es);
+                    memset(dg[k], 0xff, sizeof(float) * (size_t)D);
+                    memset(db[k], 0xff, sizeof(float) * (size_t)D);
+                    a.dx = variant == 2 ? NULL : dx[k];
+                    a.dgamma = a.gamma ? dg[k] : NULL, a.dbeta = db[k];
+                    mpt__cpu_table.layernorm_backward(t ? simd[t - 1] : plain, &a);
+                    if (!t) continue;
+                    CHECK(variant == 2 || memcmp(dx[0], dx[1], (size_t)n * es) == 0,
+                          "D = %lld %s variant %d, %d threads: dx differs", (long long)D,
+                          mpt_dtype_name(dt), variant, t == 1 ? 1 : 3);
+                    CHECK(!a.gamma || memcmp(dg[0], dg[1], sizeof(float) * (size_t)D) == 0,
+                          "D = %lld %s variant %d, %d threads: dgamma differs", (long long)D,
+                          mpt_dtype_name(dt), variant, t == 1 ? 1 : 3);
+                    CHECK(memcmp(db[0], db[1], sizeof(float) * (size_t)D) == 0,
+                          "D = %lld %s variant %d, %d threads: dbeta differs", (long long)D,
+                          mpt_dtype_name(dt), variant, t == 1 ? 1 : 3);
+                }
+                free(x), free(y), free(dy), free(dx[0]), free(dx[1]), free(gamma), free(beta);
+                free(mean), free(inv), free(work);
+                for (t = 0; t < 2; t++) free(dg[t]), free(db[t]);
+            }
+    mpt_context_destroy(plain);
+    mpt_context_destroy(simd[0]);
+    mpt_context_destroy(simd[1]);
+}
+
 static void test_ln_trains_mixed_float16(void) {
     enum { N = 256, T = 4, D = 8, CLASSES = 3 };
     static float x[N * T * D];
@@ -1385,6 +1472,7 @@ int main(void) {
     TEST_RUN(test_ln_graph_shared);
     TEST_RUN(test_ln_threads);
     TEST_RUN(test_ln_simd_matches_portable);
+    TEST_RUN(test_ln_backward_simd_matches_portable);
     TEST_RUN(test_ln_trains_mixed_float16);
     TEST_RUN(test_ln_refusals);
     mpt_context_destroy(ctx);

@@ -318,6 +318,7 @@ static void test_bn_threads(void) {
         mpt_param_info g;
         int64_t shape[4] = {B, H, W, C};
         memset(&tdx, 0, sizeof tdx);
+        memset(&ty, 0, sizeof ty); /* (forward fills it; gcc -O2 cannot tell) */
         mpt_model_create(c, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
                                               .policy = MPT_POLICY_MIXED_FLOAT16}, &m);
         mpt_model_add_batch_normalization(m, &(mpt_batchnorm_desc){0});
@@ -379,6 +380,7 @@ static float *bn_pass(int disable, int need, int threads, mpt_policy policy, int
     memcpy(param_values(m, 1), gb + C, sizeof(float) * (size_t)C);
     mpt_model_refresh_weights(m);
     memset(&tdx, 0, sizeof tdx);
+    memset(&ty, 0, sizeof ty); /* (forward fills it; gcc -O2 cannot tell) */
     mpt_tensor_wrap(c, &tx, MPT_FLOAT32, rank, shape, (void *)x);
     mpt_tensor_wrap(c, &tdy, MPT_FLOAT32, rank, shape, (void *)dy);
     CHECK(mpt_model_forward(m, &tx, 1, &ty) == MPT_OK, "forward: %s", mpt_context_error(c));
@@ -991,6 +993,7 @@ static void ln_run(mpt_context *c, mpt_policy policy, int64_t B, int64_t T, int6
     mpt_param_info g, b;
     int64_t shape[3] = {B, T, D}, n = B * T * D, i;
     memset(&tdx, 0, sizeof tdx);
+    memset(&ty, 0, sizeof ty); /* (forward fills it; gcc -O2 cannot tell) */
     mpt_model_create(c, &(mpt_model_desc){.input_shape = {T, D}, .input_rank = 2,
                                           .policy = policy}, &m);
     mpt_model_add_layer_normalization(m, NULL);

@@ -378,6 +378,8 @@
                           operations; the attention's int8 projections
        @impl-quantized-passes  a batch through them: float32, float16,
                           dynamic-range, int8; a graph's merges and padding
+       @impl-quantized-conv  the direct int8 Conv2D of several channels (its
+                          windows read where they lie, no im2col)
        @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
                           and its MaxPooling2D from the image), int8 softmax,
                           the batch's run
@@ -32807,9 +32809,11 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
    alive for later readers (mpt__q_plan; a reshape writes nothing: its
    readers read its input).
    Convolutions run as products over im2col rows, a chunk of samples at a
-   time (as Conv2D does); in the int8 passes a one-channel Conv2D, and the
-   MaxPooling2D after it, run straight from the image instead where the
-   CPU has VNNI ("a one-channel Conv2D from the image" below). The loops
+   time (as Conv2D does); in the int8 passes, where the CPU has VNNI, a
+   Conv2D of several channels runs from its windows instead
+   (@impl-quantized-conv), and a one-channel Conv2D, with the
+   MaxPooling2D after it, straight from the image ("a one-channel Conv2D
+   from the image" in @impl-quantized-direct). The loops
    run over the context's threads a sample or a few rows a task, each task
    writing only its own outputs, and the products through
    mpt_gemm/mpt_qgemm, which split their work the same way: no result
@@ -33473,6 +33477,271 @@ static void mpt__q_pad(const mpt__qop *op, int integer, const void *x, void *y, 
 }
 
 /* =============================================================================
+   @impl-quantized-conv  the direct int8 Conv2D of several channels
+   =============================================================================
+
+   An int8 Conv2D of C > 1 channels took im2col and mpt_qgemm: im2col wrote
+   every input byte kh·kw times (a memcpy per pixel at the borders, per
+   kernel row inside), and the narrow products of 16 to 64 filters spent
+   less time multiplying than im2col and the tiles' round trips did (the
+   seed cnn's and ResNet-20's int8 predicts). With AVX-512 VNNI a Conv2D
+   reads its windows where they lie instead. Each task takes a sample's
+   output rows, copies the input rows they read into its thread's scratch
+   as u = int8 + 128 (the padding and what lies past the image: the zero
+   point's u, whose real value is 0, as im2col's padding), and for a block
+   of P output pixels × 16 or 32 filters sums each kernel row's kw·C bytes
+   (contiguous in NHWC) 4 at a time: one broadcast of a pixel's 4 bytes,
+   one vpdpbusd per 16 filters with the taps of mpt__q_direct_prepare
+   (bytes past kw·C meet zero taps). The block's sums stay in registers
+   until it is done, then are requantized (full integer) or dequantized
+   (dynamic range) 16 filters a vector and stored. The sums are exact
+   integers and the epilogues mpt_qgemm's and mpt__q_dequantize_rows_task's
+   steps, so the outputs are those of im2col and the product, bit for bit
+   (test_conv_from_windows). */
+#define MPT__QCONV_PIX 12      /* output pixels a block of 32 filters (24 sums)     */
+#define MPT__QCONV_PIX_WIDE 24 /* ... of 16 filters, where there are only 16 (24) */
+
+typedef struct mpt__qconv_job {
+    const mpt__qop *op;
+    const mpt_context *ctx;
+    const int8_t *x;          /* (n, H, W, C) int8 codes                             */
+    const float *scale;       /* dynamic range: (n) each sample's scale; NULL: integer */
+    void *y;                  /* (n, OH, OW, N) int8 or float32                      */
+    int fill;                 /* what the padding holds, as u                         */
+    int pix;                  /* output pixels a block                                */
+    int64_t rb;               /* bytes of a copied row: OW's windows and the last
+                                 window's 4-byte groups                               */
+    int64_t cols;             /* the padded columns the windows read whole            */
+    int64_t per_row;          /* 4-byte groups of a kernel row, ⌈kw·C / 4⌉           */
+    int64_t npad;             /* N rounded up to 16                                   */
+    int64_t parts, rows;      /* a sample's output rows: `parts` tasks of `rows`      */
+} mpt__qconv_job;
+
+#if MPT__X86
+/* The block's pixels and sums: X(p) for p = 0 .. P − 1. */
+#define MPT__QC_P12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define MPT__QC_P24(X) \
+    MPT__QC_P12(X) X(12) X(13) X(14) X(15) X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
+#define MPT__QC_ZERO1(p) __m512i c##p##0 = z;
+#define MPT__QC_ZERO2(p) __m512i c##p##0 = z, c##p##1 = z;
+#define MPT__QC_TAPS1 const __m512i w0 = _mm512_loadu_si512(t);
+#define MPT__QC_TAPS2 \
+    const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
+#define MPT__QC_MAC1(p)                                                 \
+    {                                                                   \
+        const __m512i u = _mm512_set1_epi32(mpt__qgemm_group(px[p] + o)); \
+        c##p##0 = _mm512_dpbusd_epi32(c##p##0, u, w0);                  \
+    }
+#define MPT__QC_MAC2(p)                                                 \
+    {                                                                   \
+        const __m512i u = _mm512_set1_epi32(mpt__qgemm_group(px[p] + o)); \
+        c##p##0 = _mm512_dpbusd_epi32(c##p##0, u, w0);                  \
+        c##p##1 = _mm512_dpbusd_epi32(c##p##1, u, w1);                  \
+    }
+#define MPT__QC_STORE1(p) _mm512_storeu_si512(tile + 16 * (p), c##p##0);
+#define MPT__QC_STORE2(p)                          \
+    _mm512_storeu_si512(tile + 32 * (p), c##p##0); \
+    _mm512_storeu_si512(tile + 32 * (p) + 16, c##p##1);
+/* Sums of the pixels px[0 .. P − 1] (each its window's corner in the
+   copy, rows rb bytes apart) with nb·16 filters' taps from `taps` (a
+   group's filters gstride bytes on), into tile (P × 16·nb int32). */
+#define MPT__QCONV_KERNEL(name, PIXELS, NB)                                                    \
+    MPT__TARGET_AVX512_VNNI static void name(const uint8_t *const *px, const uint8_t *taps,   \
+                                             int64_t kh, int64_t per_row, int64_t rb,         \
+                                             int64_t gstride, int32_t *tile) {                \
+        const __m512i z = _mm512_setzero_si512();                                            \
+        int64_t i, q;                                                                         \
+        PIXELS(MPT__QC_ZERO##NB)                                                              \
+        for (i = 0; i < kh; i++)                                                              \
+            for (q = 0; q < per_row; q++) {                                                   \
+                const int64_t o = i * rb + 4 * q;                                             \
+                const uint8_t *t = taps + (i * per_row + q) * gstride;                        \
+                MPT__QC_TAPS##NB                                                              \
+                PIXELS(MPT__QC_MAC##NB)                                                       \
+            }                                                                                 \
+        PIXELS(MPT__QC_STORE##NB)                                                             \
+    }
+MPT__QCONV_KERNEL(mpt__qconv_kernel_12x32, MPT__QC_P12, 2)
+MPT__QCONV_KERNEL(mpt__qconv_kernel_12x16, MPT__QC_P12, 1)
+MPT__QCONV_KERNEL(mpt__qconv_kernel_24x16, MPT__QC_P24, 1)
+#undef MPT__QCONV_KERNEL
+#undef MPT__QC_P12
+#undef MPT__QC_P24
+#undef MPT__QC_ZERO1
+#undef MPT__QC_ZERO2
+#undef MPT__QC_TAPS1
+#undef MPT__QC_TAPS2
+#undef MPT__QC_MAC1
+#undef MPT__QC_MAC2
+#undef MPT__QC_STORE1
+#undef MPT__QC_STORE2
+
+/* The block's sums (tile: `pixels` rows of 16·nb int32, `valid` of them
+   outputs) for filters [c0, c0 + 16·nb), plus the constant term, stored
+   at out (a pixel's N outputs a row): requantized as mpt_qgemm's plain
+   epilogue (mpt__requant16_avx512), or, with scale s (dynamic range),
+   dequantized as mpt__q_direct_store_row_float. */
+MPT__TARGET_AVX512 static void mpt__qconv_store(const mpt__qconv_job *j, const int32_t *tile,
+                                               int nb, int valid, int64_t c0, float s,
+                                               void *out) {
+    const mpt__qop *op = j->op;
+    const int64_t N = op->info.out_channels;
+    const __mmask16 all = 0xffff;
+    int v, p;
+    for (v = 0; v < nb && c0 + 16 * v < N; v++) {
+        const int64_t c = c0 + 16 * v;
+        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, N - c)) - 1u);
+        const __m512i col = _mm512_loadu_si512(op->direct_col + c);
+        if (j->scale) {
+            const __m512 lowest =
+                _mm512_set1_ps(op->info.activation == MPT_ACT_RELU ? 0.0f : -INFINITY);
+            const __m512 sw = _mm512_maskz_mul_round_ps(
+                all, _mm512_set1_ps(s), _mm512_maskz_loadu_ps(k, op->wscale + c),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512 bias = _mm512_maskz_loadu_ps(k, op->bias + c);
+            for (p = 0; p < valid; p++) {
+                const __m512i x = _mm512_add_epi32(
+                    _mm512_loadu_si512(tile + (int64_t)p * 16 * nb + 16 * v), col);
+                const __m512 r = _mm512_maskz_add_round_ps(
+                    all,
+                    _mm512_maskz_mul_round_ps(all, _mm512_maskz_cvtepi32_ps(all, x), sw,
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                    bias, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                _mm512_mask_storeu_ps((float *)out + p * N + c, k,
+                                      _mm512_maskz_max_ps(all, lowest, r));
+            }
+        } else {
+            const int zp = op->info.output.zero_point;
+            const int lo = op->info.activation == MPT_ACT_RELU ? zp : -128;
+            const __m512i qlo = _mm512_set1_epi32(lo - zp), qhi = _mm512_set1_epi32(127 - zp);
+            const __m512i vzp = _mm512_set1_epi32(zp);
+            const __m512i m = _mm512_maskz_loadu_epi32(k, op->mult + c);
+            const __m512i right = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                   _mm512_maskz_loadu_epi32(k, op->shift + c));
+            for (p = 0; p < valid; p++) {
+                const __m512i x = _mm512_add_epi32(
+                    _mm512_loadu_si512(tile + (int64_t)p * 16 * nb + 16 * v), col);
+                mpt__store16_int8_avx512((int8_t *)out + p * N + c, k,
+                                         mpt__requant16_avx512(x, m, right, qlo, qhi, vzp));
+            }
+        }
+    }
+}
+
+/* n bytes from src to dst as u = int8 + 128 (each byte's top bit
+   flipped), eight at a time (-O2 does not vectorize the byte loop). */
+static void mpt__qconv_flip_copy(uint8_t *dst, const int8_t *src, int64_t n) {
+    const uint64_t flip = 0x8080808080808080ull;
+    int64_t c;
+    uint64_t v;
+    for (c = 0; c + 8 <= n; c += 8) {
+        memcpy(&v, src + c, 8);
+        v ^= flip;
+        memcpy(dst + c, &v, 8);
+    }
+    for (; c < n; c++) dst[c] = (uint8_t)(src[c] ^ 0x80);
+}
+#endif
+
+/* Task t: output rows [oy0, oy1) of sample t / parts, from the copy of
+   the padded rows they read (row oy0·sh of the padded sample first). */
+static void mpt__qconv_task(void *arg, int64_t t, int thread) {
+#if MPT__X86
+    const mpt__qconv_job *j = (const mpt__qconv_job *)arg;
+    const mpt__qop *op = j->op;
+    const mpt__win *g = &op->g;
+    const int64_t b = t / j->parts, oy0 = (t % j->parts) * j->rows;
+    const int64_t oy1 = MPT__MIN(g->oh, oy0 + j->rows), C = g->c, N = op->info.out_channels;
+    const int64_t first = oy0 * g->sh, copied = (oy1 - 1 - oy0) * g->sh + g->kh;
+    const int64_t pixels = (oy1 - oy0) * g->ow, gstride = 4 * j->npad;
+    const size_t es = j->scale ? 4 : 1;
+    const int8_t *x = j->x + b * g->h * g->w * C;
+    unsigned char *y = (unsigned char *)j->y + (size_t)((b * g->oh + oy0) * g->ow * N) * es;
+    uint8_t *copy = (uint8_t *)mpt__thread_scratch(j->ctx, thread);
+    const uint8_t *px[MPT__QCONV_PIX_WIDE];
+    int32_t tile[MPT__QCONV_PIX_WIDE * 16]; /* = MPT__QCONV_PIX × 32 */
+    const float s = j->scale ? j->scale[b] : 0.0f;
+    const int64_t c_lo = MPT__MAX(0, g->left), c_hi = MPT__MIN(g->w + g->left, j->cols);
+    int64_t r, p0, p, c0;
+    for (r = 0; r < copied; r++) {
+        const int64_t in_row = first + r - g->top;
+        uint8_t *dst = copy + r * j->rb;
+        if (in_row < 0 || in_row >= g->h || c_hi <= c_lo) {
+            memset(dst, j->fill, (size_t)j->rb);
+            continue;
+        }
+        memset(dst, j->fill, (size_t)(c_lo * C));
+        mpt__qconv_flip_copy(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
+                             (c_hi - c_lo) * C);
+        memset(dst + c_hi * C, j->fill, (size_t)(j->rb - c_hi * C));
+    }
+    for (p0 = 0; p0 < pixels; p0 += j->pix) {
+        const int valid = (int)MPT__MIN(j->pix, pixels - p0);
+        for (p = 0; p < j->pix; p++) { /* a short block repeats its last pixel */
+            const int64_t at = p0 + MPT__MIN(p, valid - 1);
+            px[p] = copy + (at / g->ow) * g->sh * j->rb + (at % g->ow) * g->sw * C;
+        }
+        for (c0 = 0; c0 < j->npad; c0 += 32) {
+            const uint8_t *taps = op->direct_w + c0 * 4;
+            int nb = 2;
+            if (j->pix == MPT__QCONV_PIX_WIDE) {
+                mpt__qconv_kernel_24x16(px, taps, g->kh, j->per_row, j->rb, gstride, tile);
+                nb = 1;
+            } else if (j->npad - c0 < 32) {
+                mpt__qconv_kernel_12x16(px, taps, g->kh, j->per_row, j->rb, gstride, tile);
+                nb = 1;
+            } else {
+                mpt__qconv_kernel_12x32(px, taps, g->kh, j->per_row, j->rb, gstride, tile);
+            }
+            mpt__qconv_store(j, tile, nb, valid, c0, s, y + (size_t)(p0 * N) * es);
+        }
+    }
+#else
+    (void)arg, (void)t, (void)thread;
+#endif
+}
+
+/* Runs Conv2D op (C > 1) of the integer or dynamic pass from its windows
+   when mpt__q_direct_prepare made its taps and a row of windows fits the
+   thread's scratch; returns whether it ran. Dynamic range quantizes each
+   sample first, as mpt__q_conv does, and leaves a batch with a sample
+   whose scale is not finite to it. Tasks: each sample's rows in parts
+   enough for 4 per thread, at least 2 blocks of pixels each. */
+static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, mpt__qexec ex, const void *x,
+                          void *y, int64_t n, mpt__qwork *w) {
+    const mpt__win *g = &op->g;
+    mpt__qconv_job j;
+    int64_t r, fit, want;
+    if (!op->direct_w || g->c < 2 || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 ||
+        g->ow < 1 || (ex != MPT__QX_INTEGER && ex != MPT__QX_DYNAMIC))
+        return 0;
+    memset(&j, 0, sizeof j);
+    j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y;
+    j.fill = ex == MPT__QX_INTEGER ? op->info.input.zero_point + 128 : 128;
+    j.npad = (op->info.out_channels + 15) / 16 * 16;
+    j.pix = j.npad == 16 ? MPT__QCONV_PIX_WIDE : MPT__QCONV_PIX;
+    j.per_row = (g->kw * g->c + 3) / 4;
+    j.rb = (g->ow - 1) * g->sw * g->c + 4 * j.per_row;
+    j.cols = (g->ow - 1) * g->sw + g->kw;
+    /* output rows a task's copy holds: (rows − 1)·sh + kh rows of rb bytes */
+    fit = ((int64_t)MPT__THREAD_SCRATCH_BYTES / j.rb - g->kh) / g->sh + 1;
+    if ((double)j.rb * (double)g->kh > (double)MPT__THREAD_SCRATCH_BYTES || fit < 1) return 0;
+    want = MPT__MIN(g->oh, (4 * (int64_t)ctx->num_threads + n - 1) / n);
+    want = MPT__MAX(1, MPT__MIN(want, g->oh * g->ow / (2 * j.pix)));
+    j.rows = MPT__MIN(fit, (g->oh + want - 1) / want);
+    j.parts = (g->oh + j.rows - 1) / j.rows;
+    if (ex == MPT__QX_DYNAMIC) {
+        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
+                                       w->sample_scale);
+        for (r = 0; r < n; r++)
+            if (!(w->sample_scale[r] < INFINITY)) return 0;
+        j.x = w->xq, j.scale = w->sample_scale;
+    }
+    mpt__parallel_for(ctx, n * j.parts, mpt__qconv_task, &j);
+    return 1;
+}
+
+/* =============================================================================
    @impl-quantized-direct: the direct int8 Conv2D, the int8 softmax, and a batch through the operations
    ============================================================================= */
 
@@ -33507,19 +33776,23 @@ typedef struct mpt__qdirect_job {
     int32_t off[MPT__QD_MAX_GROUPS]; /* each group's first byte from the window's corner */
 } mpt__qdirect_job;
 
-/* A one-channel Conv2D's taps as the direct pass reads them, and its
-   constant term (integer: full integer, with bq and the zero points; else
-   dynamic range); left NULL (the im2col path) where it does not apply: no
-   AVX-512 VNNI, another channel count, a kernel of more than
+/* A Conv2D's taps as the direct passes read them (a one-channel one's
+   from the image, mpt__q_direct_conv; several channels' from their
+   windows, mpt__qconv_run): group (i, q) holds bytes 4q .. 4q + 3 of
+   kernel row i (kw·C taps, zeros past them) for each of npad filters;
+   and its constant term (integer: full integer, with bq and the zero
+   points; else dynamic range). Left NULL (the im2col path) where it does
+   not apply: no AVX-512 VNNI, one channel with a kernel of more than
    MPT__QD_MAX_GROUPS groups, or a requantization that is not plain. */
 static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op, int integer) {
     const mpt__win *g = &op->g;
     const int64_t N = op->info.out_channels, K = op->info.depth, npad = (N + 15) / 16 * 16;
-    const int64_t per_row = (g->kw + 3) / 4, groups = g->kh * per_row;
+    const int64_t row = g->kw * g->c, per_row = (row + 3) / 4, groups = g->kh * per_row;
     const int64_t zu = integer ? (int64_t)op->info.input.zero_point + 128 : 128;
     int64_t f, i, j;
-    if (!MPT__X86 || op->info.op != MPT_QOP_CONV_2D || g->c != 1 || groups > MPT__QD_MAX_GROUPS ||
-        !(ctx->cpu & MPT_CPU_AVX512) || !(ctx->cpu & MPT_CPU_AVX512_VNNI) ||
+    if (!MPT__X86 || op->info.op != MPT_QOP_CONV_2D ||
+        (g->c == 1 && groups > MPT__QD_MAX_GROUPS) || !(ctx->cpu & MPT_CPU_AVX512) ||
+        !(ctx->cpu & MPT_CPU_AVX512_VNNI) ||
         (integer && !mpt__requant_is_plain(K, N, op->shift, N, op->bq)))
         return MPT_OK;
     op->direct_w = (uint8_t *)mpt__calloc(ctx, (size_t)(groups * npad * 4 + npad * 4));
@@ -33530,8 +33803,8 @@ static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op, int inte
     for (f = 0; f < N; f++) {
         int64_t sum = 0;
         for (i = 0; i < g->kh; i++)
-            for (j = 0; j < g->kw; j++) {
-                const int8_t w = op->wq[f * K + i * g->kw + j];
+            for (j = 0; j < row; j++) {
+                const int8_t w = op->wq[f * K + i * row + j];
                 op->direct_w[((i * per_row + j / 4) * npad + f) * 4 + j % 4] = (uint8_t)w;
                 sum += w;
             }
@@ -33739,8 +34012,8 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     mpt__qdirect_job j;
     int64_t r, q, need;
     *ran_pool = 0;
-    if (!op->direct_w || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 || g->ow < 1 ||
-        (ex != MPT__QX_INTEGER && ex != MPT__QX_DYNAMIC))
+    if (!op->direct_w || g->c != 1 || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 ||
+        g->ow < 1 || (ex != MPT__QX_INTEGER && ex != MPT__QX_DYNAMIC))
         return 0;
     memset(&j, 0, sizeof j);
     j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y;
@@ -33961,7 +34234,9 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         const mpt__qop *op = &Q->ops[i];
         const void *in = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
         void *y = mpt__q_tensor_at(Q, w, x, i + 1);
-        if (mpt__q_direct_conv(ctx, Q, i, ex, in,
+        pooled = 0;
+        if (mpt__qconv_run(ctx, op, ex, in, y, n, w) ||
+            mpt__q_direct_conv(ctx, Q, i, ex, in,
                                op->fuse_pool ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w,
                                &pooled)) {
             i += pooled;

@@ -31954,7 +31954,15 @@ typedef struct mpt__qop {
                                   output for each channel and input code (+ 128),
                                   made once from the arithmetic (not counted in
                                   size_bytes: what a predict holds)           */
-    int8_t *pair_lut;          /* (256, 256) full integer: a two-input ADD's,
+    int chained;               /* a per-channel MUL or ADD: how many such ops
+                                  after it (each reading only the one before)
+                                  full integer runs with it as one table,
+                                  chain_lut; −1: one of those (mpt__q_plan) */
+    int8_t *chain_lut;         /* (C, 256) full integer: channel_lut, then each
+                                  chained op's, composed (not counted in
+                                  size_bytes: what a predict holds)           */
+    int8_t *pair_lut;          /* (256, 256) full integer (+ 4 bytes a gather may
+                                  read past it): a two-input ADD's,
                                   SUB's or MUL's output for each pair of
                                   input codes (+ 128), made once as above    */
     int8_t *wq;                /* (N, K) int8 modes                            */
@@ -32055,6 +32063,7 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->channel);
     mpt__free(ctx, op->channel_q);
     mpt__free(ctx, op->channel_lut);
+    mpt__free(ctx, op->chain_lut);
     mpt__free(ctx, op->pair_lut);
     mpt__free(ctx, op->wq);
     mpt__qgemm_packed_free(ctx, op->wpacked);
@@ -32744,6 +32753,30 @@ static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
     return 1;
 }
 
+/* A MUL or ADD by a constant per channel (an unfolded BatchNormalization's
+   halves): a function of one int8 code per channel. */
+static int mpt__qop_by_channel(const mpt__qop *op) {
+    return (op->info.op == MPT_QOP_MUL || op->info.op == MPT_QOP_ADD) &&
+           op->info.n_inputs == 1 && op->info.n_constants > 0;
+}
+
+/* Whether op i + 1 continues a chain that ends with op i: both by a
+   constant per channel, over as many channels, op i + 1 the only reader
+   of op i's output, which is not the model's output. Full integer then
+   composes their tables into one (the same codes: each is a function of
+   one code per channel), and the float passes run op i + 1 in place. */
+static int mpt__q_chains_after(const mpt__quantized *Q, int i) {
+    int j, k;
+    if (i + 1 >= Q->n_ops || !mpt__qop_by_channel(&Q->ops[i]) ||
+        !mpt__qop_by_channel(&Q->ops[i + 1]) || Q->ops[i + 1].in_t[0] != i + 1 ||
+        Q->ops[i + 1].info.n_constants != Q->ops[i].info.n_constants || Q->out_t == i + 1)
+        return 0;
+    for (j = i + 2; j < Q->n_ops; j++)
+        for (k = 0; k < Q->ops[j].info.n_inputs; k++)
+            if (Q->ops[j].in_t[k] == i + 1) return 0;
+    return 1;
+}
+
 /* The largest buffers one sample needs, for mpt__qwork_alloc, and where
    each tensor lives: its root (a reshape's is its input's) and the slot
    of the work block that holds the root, the lowest one free when it is
@@ -32763,9 +32796,18 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
     }
     busy = last + n; /* the root each slot holds, or −1 */
     Q->in_count = Q->max_count = in_count;
+    for (i = 0; i < Q->n_ops; i++) { /* chains of per-channel MULs and ADDs */
+        int end = i;
+        while (mpt__q_chains_after(Q, end)) Q->ops[++end].chained = -1;
+        Q->ops[i].chained = end - i;
+        i = end;
+    }
     for (t = 0; t < n; t++) {
         const mpt__qop *op = t ? &Q->ops[t - 1] : NULL;
-        Q->root[t] = op && op->info.op == MPT_QOP_RESHAPE ? Q->root[op->in_t[0]] : t;
+        /* a reshape's output is its input's bytes, and so is a chained op's
+           (the float passes run it in place; full integer skips it) */
+        Q->root[t] = op && (op->info.op == MPT_QOP_RESHAPE || op->chained < 0)
+                         ? Q->root[op->in_t[0]] : t;
         last[t] = -1, busy[t] = -1;
         if (op) Q->max_count = MPT__MAX(Q->max_count, op->out_count);
         if (op && op->info.op == MPT_QOP_CONV_2D)
@@ -33371,31 +33413,111 @@ static int8_t mpt__q_mul_int8(const mpt__qop *op, int8_t a, int8_t b) {
                                           op->info.output.zero_point));
 }
 
+/* Each of `count` int8 codes (channels over the last axis, C of them)
+   through its channel's table of 256 outputs (lut: (C, 256), for code +
+   128): a per-channel MUL's or ADD's codes (mpt__q_channel_table), or a
+   chain's (chain_lut). */
+static void mpt__q_lookup_channels(const int8_t *lut, int64_t C, const int8_t *a, int8_t *y,
+                                   int64_t count) {
+    int64_t k, c;
+    for (k = 0; k < count; k += C) {
+        const int8_t *MPT__RESTRICT x = a + k;
+        int8_t *MPT__RESTRICT out = y + k;
+        for (c = 0; c < C; c++) out[c] = lut[c * 256 + x[c] + 128];
+    }
+}
+
+#if MPT__X86
+MPT__AVX512_QUIET_BEGIN
+/* The float32 ADD, SUB or MUL of mpt__q_binary and mpt__q_by_channel in
+   AVX-512, the same bits: one IEEE operation an element, then ReLU as
+   `v < 0 ? 0 : v` (a NaN and −0 kept), 16 lanes a step, the tail under a
+   mask. (GCC's -O2 leaves loops whose count is not known unvectorized,
+   and turns that ReLU into a branch an element.) kind: 0 ADD, 1 SUB, 2 MUL
+   by x1, 3 MUL by `constant`; per channel (channel non-NULL): ADD or MUL
+   (kind 0 or 2) by channel[c], rows of C. out may be x0. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__q_binary16_avx512(int kind, __m512 a,
+                                                                         __m512 b, int relu) {
+    const __m512 v = kind == 0 ? _mm512_add_ps(a, b)
+                     : kind == 1 ? _mm512_sub_ps(a, b)
+                                 : _mm512_mul_ps(a, b);
+    return relu ? _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                     _mm512_setzero_ps())
+                : v;
+}
+
+/* mpt__q_binary's pair_lut lookups in AVX-512, 16 elements a gather of
+   their words (each word's low byte the code), the tail under a mask. */
+MPT__TARGET_AVX512 static void mpt__q_pair_lookup_avx512(const int8_t *lut, const int8_t *x0,
+                                                         const int8_t *x1, int8_t *y,
+                                                         int64_t count) {
+    const __m512i offset = _mm512_set1_epi32(128 * 256 + 128);
+    int64_t k;
+    for (k = 0; k < count; k += 16) {
+        const __mmask16 m = count - k >= 16 ? (__mmask16)0xffff
+                                            : (__mmask16)((1u << (count - k)) - 1u);
+        const __m512i a = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, x0 + k));
+        const __m512i b = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, x1 + k));
+        const __m512i at = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b), offset);
+        const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, lut, 1);
+        _mm_mask_storeu_epi8(y + k, m, _mm512_cvtepi32_epi8(v));
+    }
+}
+
+MPT__TARGET_AVX512 static void mpt__q_binary_float_avx512(int kind, const float *x0,
+                                                          const float *x1, float constant,
+                                                          const float *channel, int64_t C,
+                                                          int relu, float *out, int64_t count) {
+    int64_t k, c;
+    if (channel) {
+        for (k = 0; k < count; k += C)
+            for (c = 0; c < C; c += 16) {
+                const __mmask16 m = C - c >= 16 ? (__mmask16)0xffff
+                                                : (__mmask16)((1u << (C - c)) - 1u);
+                _mm512_mask_storeu_ps(out + k + c, m,
+                                      mpt__q_binary16_avx512(kind,
+                                                             _mm512_maskz_loadu_ps(m, x0 + k + c),
+                                                             _mm512_maskz_loadu_ps(m, channel + c),
+                                                             relu));
+            }
+        return;
+    }
+    for (k = 0; k < count; k += 16) {
+        const __mmask16 m = count - k >= 16 ? (__mmask16)0xffff
+                                            : (__mmask16)((1u << (count - k)) - 1u);
+        const __m512 b = kind == 3 ? _mm512_set1_ps(constant) : _mm512_maskz_loadu_ps(m, x1 + k);
+        _mm512_mask_storeu_ps(out + k, m,
+                              mpt__q_binary16_avx512(kind, _mm512_maskz_loadu_ps(m, x0 + k), b,
+                                                     relu));
+    }
+}
+MPT__AVX512_QUIET_END
+#endif
+
 /* MUL or ADD of `count` elements by op's constant per channel (the last
    axis: an unfolded BatchNormalization's scale or shift), float32 or
    int8 (through its table, mpt__q_channel_table): channels at a time, so
-   that the loops take no division. */
+   that the loops take no division. y may be a (a chained op's in place,
+   mpt__q_chains_after): each element is read before it is written. */
 static void mpt__q_by_channel(const mpt__qop *op, int integer, const void *a, void *y,
                               int64_t count) {
     const int64_t C = op->info.n_constants;
-    const int mul = op->info.op == MPT_QOP_MUL;
+    const int mul = op->info.op == MPT_QOP_MUL, relu = op->info.activation == MPT_ACT_RELU;
+    const float *MPT__RESTRICT channel = op->channel;
     int64_t k, c;
+    if (integer) { /* mpt__q_mul_int8's or mpt__q_add_int8's codes, looked up */
+        mpt__q_lookup_channels(op->channel_lut, C, (const int8_t *)a, (int8_t *)y, count);
+        return;
+    }
     for (k = 0; k < count; k += C) {
-        if (integer) { /* mpt__q_mul_int8's or mpt__q_add_int8's codes, looked up */
-            const int8_t *MPT__RESTRICT x = (const int8_t *)a + k;
-            const int8_t *MPT__RESTRICT lut = op->channel_lut;
-            int8_t *MPT__RESTRICT out = (int8_t *)y + k;
-            for (c = 0; c < C; c++) out[c] = lut[c * 256 + x[c] + 128];
-        } else {
-            const float *MPT__RESTRICT x = (const float *)a + k;
-            float *MPT__RESTRICT out = (float *)y + k;
-            if (mul)
-                for (c = 0; c < C; c++) out[c] = x[c] * op->channel[c];
-            else
-                for (c = 0; c < C; c++) out[c] = x[c] + op->channel[c];
-            if (op->info.activation == MPT_ACT_RELU)
-                for (c = 0; c < C; c++) out[c] = out[c] < 0 ? 0.0f : out[c];
-        }
+        const float *x = (const float *)a + k;
+        float *out = (float *)y + k;
+        if (mul)
+            for (c = 0; c < C; c++) out[c] = x[c] * channel[c];
+        else
+            for (c = 0; c < C; c++) out[c] = x[c] + channel[c];
+        if (relu)
+            for (c = 0; c < C; c++) out[c] = out[c] < 0 ? 0.0f : out[c];
     }
 }
 
@@ -33418,14 +33540,19 @@ static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const 
             for (k = 0; k < count; k++) out[k] = mpt__q_mul_int8(op, x0[k], x1 ? x1[k] : 127);
         else
             for (k = 0; k < count; k++) out[k] = mpt__q_add_int8(op, x0[k], x1[k]);
-    } else {
-        const float *x0 = (const float *)a, *x1 = (const float *)b;
-        float *out = (float *)y;
-        for (k = 0; k < count; k++)
-            out[k] = op->info.op == MPT_QOP_ADD   ? x0[k] + x1[k]
-                     : op->info.op == MPT_QOP_SUB ? x0[k] - x1[k]
-                     : x1                         ? x0[k] * x1[k]
-                                                  : x0[k] * op->info.constant;
+    } else { /* a loop per operation, which -O2 vectorizes (one with the
+                choice inside each element took 2 ns an element) */
+        const float *MPT__RESTRICT x0 = (const float *)a, *MPT__RESTRICT x1 = (const float *)b;
+        float *MPT__RESTRICT out = (float *)y;
+        const float constant = op->info.constant;
+        if (op->info.op == MPT_QOP_ADD)
+            for (k = 0; k < count; k++) out[k] = x0[k] + x1[k];
+        else if (op->info.op == MPT_QOP_SUB)
+            for (k = 0; k < count; k++) out[k] = x0[k] - x1[k];
+        else if (x1)
+            for (k = 0; k < count; k++) out[k] = x0[k] * x1[k];
+        else
+            for (k = 0; k < count; k++) out[k] = x0[k] * constant;
         if (op->info.activation == MPT_ACT_RELU)
             for (k = 0; k < count; k++) out[k] = out[k] < 0 ? 0.0f : out[k];
     }
@@ -34189,9 +34316,71 @@ static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, cons
     return r == 0 ? (void *)(uintptr_t)x : w->act[Q->slot[r]];
 }
 
-/* Operation i of a graph that reads several tensors, or pads. */
-static void mpt__q_run_graph_op(const mpt__quantized *Q, int i, mpt__qexec ex, const void *x,
-                                void *y, int64_t n, const mpt__qwork *w) {
+/* ADD, SUB or MUL (or a chain's table) over the context's threads, a run
+   of elements a task (whole rows of channels), each element computed
+   alone: any thread count gives the same. */
+typedef struct mpt__qbinary_job {
+    const mpt__qop *op;
+    const int8_t *chain;     /* full integer: a chain's table (chain_lut), or NULL */
+    int integer;
+    int avx512;              /* the context has AVX-512 (the float operations) */
+    size_t es;               /* bytes of an element: 4, or 1 in int8 */
+    const unsigned char *a, *b; /* b NULL: by a constant */
+    unsigned char *y;
+    int64_t count, run;      /* elements; elements a task */
+} mpt__qbinary_job;
+
+static void mpt__q_binary_task(void *arg, int64_t task, int thread) {
+    const mpt__qbinary_job *j = (const mpt__qbinary_job *)arg;
+    const int64_t k = task * j->run, n = MPT__MIN(j->run, j->count - k);
+    const size_t at = (size_t)k * j->es;
+    (void)thread;
+#if MPT__X86
+    if (j->integer && j->avx512 && j->b && j->op->pair_lut) {
+        mpt__q_pair_lookup_avx512(j->op->pair_lut, (const int8_t *)(j->a + at),
+                                  (const int8_t *)(j->b + at), (int8_t *)(j->y + at), n);
+        return;
+    }
+    if (!j->integer && j->avx512) {
+        const mpt__qop *op = j->op;
+        const int kind = op->info.op == MPT_QOP_ADD   ? 0
+                         : op->info.op == MPT_QOP_SUB ? 1
+                         : j->b || op->info.n_constants ? 2
+                                                        : 3;
+        mpt__q_binary_float_avx512(kind, (const float *)(j->a + at),
+                                   j->b ? (const float *)(j->b + at) : NULL, op->info.constant,
+                                   !j->b && op->info.n_constants ? op->channel : NULL,
+                                   op->info.n_constants, op->info.activation == MPT_ACT_RELU,
+                                   (float *)(j->y + at), n);
+        return;
+    }
+#endif
+    if (j->chain)
+        mpt__q_lookup_channels(j->chain, j->op->info.n_constants, (const int8_t *)(j->a + at),
+                               (int8_t *)(j->y + at), n);
+    else
+        mpt__q_binary(j->op, j->integer, j->a + at, j->b ? j->b + at : NULL, j->y + at, n);
+}
+
+static void mpt__q_binary_parallel(mpt_context *ctx, const mpt__qop *op, const int8_t *chain,
+                                   int integer, const void *a, const void *b, void *y,
+                                   int64_t count) {
+    const int64_t row = MPT__MAX(1, op->info.n_constants); /* channels start each run */
+    const int64_t want = (count + 4 * (int64_t)ctx->num_threads - 1) / (4 * ctx->num_threads);
+    mpt__qbinary_job j;
+    j.op = op, j.chain = chain, j.integer = integer, j.es = integer ? 1 : 4;
+    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
+    j.a = (const unsigned char *)a, j.b = (const unsigned char *)b, j.y = (unsigned char *)y;
+    j.count = count;
+    j.run = (MPT__MAX(want, (int64_t)1 << 14) + row - 1) / row * row;
+    mpt__parallel_for(ctx, (count + j.run - 1) / j.run, mpt__q_binary_task, &j);
+}
+
+/* Operation i of a graph that reads several tensors, or pads; or a MUL or
+   ADD by a constant per channel (full integer: with the ops chained to
+   it, as one table). */
+static void mpt__q_run_graph_op(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
+                                const void *x, void *y, int64_t n, const mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
     const int integer = ex == MPT__QX_INTEGER;
     const void *xs[MPT_MAX_MERGE_INPUTS];
@@ -34199,8 +34388,9 @@ static void mpt__q_run_graph_op(const mpt__quantized *Q, int i, mpt__qexec ex, c
     for (k = 0; k < op->info.n_inputs; k++) xs[k] = mpt__q_tensor_at(Q, w, x, op->in_t[k]);
     if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, integer, xs[0], y, n);
     else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, integer, xs, y, n);
-    else mpt__q_binary(op, integer, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, y,
-                       n * op->out_count);
+    else mpt__q_binary_parallel(ctx, op, integer && op->chained > 0 ? op->chain_lut : NULL,
+                                integer, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, y,
+                                n * op->out_count);
 }
 
 /* MultiHeadAttention's scaled dot product on n samples: its three inputs
@@ -34244,7 +34434,10 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         }
         if (op->info.op == MPT_QOP_RESHAPE) { /* the same bytes */
         } else if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
-            mpt__q_run_graph_op(Q, i, ex, x, y, n, w);
+            mpt__q_run_graph_op(ctx, Q, i, ex, x, y, n, w);
+            /* full integer: the chained ops' codes are written (their
+               bytes are this op's, mpt__q_plan) */
+            if (ex == MPT__QX_INTEGER && op->chained > 0) i += op->chained;
         } else if (op->info.op == MPT_QOP_ATTENTION) {
             mpt__q_attention(ctx, Q, i, x, y, n, w);
         } else {
@@ -34613,6 +34806,25 @@ static mpt_status mpt__q_channel_table(mpt_context *ctx, mpt__qop *op) {
     return MPT_OK;
 }
 
+/* Chain head i's table (mpt__q_chains_after): for each channel and input
+   code, the code its channel_lut gives, through each chained op's
+   channel_lut in turn; the seed cnn's BatchNormalizations after its ReLUs
+   are a MUL then an ADD, two lookups an element where this is one. */
+static mpt_status mpt__q_chain_table(mpt_context *ctx, mpt__quantized *Q, int i) {
+    mpt__qop *op = &Q->ops[i];
+    const int64_t C = op->info.n_constants;
+    int64_t e, f;
+    mpt__free(ctx, op->chain_lut);
+    op->chain_lut = (int8_t *)mpt__alloc(ctx, (size_t)(256 * C));
+    if (!op->chain_lut)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
+    memcpy(op->chain_lut, op->channel_lut, (size_t)(256 * C));
+    for (f = i + 1; f <= i + op->chained; f++)
+        for (e = 0; e < 256 * C; e++)
+            op->chain_lut[e] = Q->ops[f].channel_lut[e / 256 * 256 + op->chain_lut[e] + 128];
+    return MPT_OK;
+}
+
 /* A two-input ADD, SUB or MUL as a table: its int8 output for every pair
    of input codes, from mpt__q_add_int8 or mpt__q_mul_int8, so that a batch
    looks each element up: ResNet-20's residual ADDs, each element rescaled
@@ -34620,7 +34832,7 @@ static mpt_status mpt__q_channel_table(mpt_context *ctx, mpt__qop *op) {
 static mpt_status mpt__q_pair_table(mpt_context *ctx, mpt__qop *op) {
     int a, b;
     mpt__free(ctx, op->pair_lut);
-    op->pair_lut = (int8_t *)mpt__alloc(ctx, 256 * 256);
+    op->pair_lut = (int8_t *)mpt__calloc(ctx, 256 * 256 + 4); /* + 4: a gather's last word */
     if (!op->pair_lut)
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
     for (a = -128; a < 128; a++)
@@ -34725,6 +34937,8 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
         if (op->info.op == MPT_QOP_CONV_2D) MPT__CHECK(mpt__q_direct_prepare(ctx, op, 1));
         if (op->info.op == MPT_QOP_ACTIVATION) mpt__q_integer_activation(op);
     }
+    for (i = 0; i < Q->n_ops; i++)
+        if (Q->ops[i].chained > 0) MPT__CHECK(mpt__q_chain_table(ctx, Q, i));
     return MPT_OK;
 }
 

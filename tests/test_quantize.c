@@ -833,6 +833,18 @@ static void test_scale_shift_scalar_reference(void) {
                       mean && var,
                   "op %d (%s): not a MUL then ADD of a BatchNormalization's", i, mul->name);
             if (!gamma || !beta || !mean || !var || add->info.op != MPT_QOP_ADD) continue;
+            /* the pair as predict runs it: one table, the two ops' codes composed */
+            CHECK(mul->chained == 1 && add->chained == -1 && mul->chain_lut,
+                  "op %d (%s): the MUL and ADD are not chained", i, mul->name);
+            for (k = -128; mul->chain_lut && k < 128; k++) {
+                int8_t x[64], y[64], z[64];
+                int64_t c;
+                for (c = 0; c < C; c++) x[c] = (int8_t)k;
+                mpt__q_binary(mul, 1, x, NULL, y, C);
+                mpt__q_binary(add, 1, y, NULL, z, C);
+                mpt__q_lookup_channels(mul->chain_lut, C, x, y, C);
+                for (c = 0; c < C; c++) off += y[c] != z[c];
+            }
             for (k = 0; k < 2; k++) {
                 const mpt__qop *op = k ? add : mul;
                 const mpt_quant_params *pa = &Q->tensor[op->in_t[0]], *o = &op->info.output;
@@ -3117,6 +3129,87 @@ static void test_conv_from_windows(void) {
             }
 }
 
+/* Every model's full-integer codes and dynamic-range floats from
+   mpt__q_forward (convolutions from their windows, chains of per-channel
+   MULs and ADDs as one table, merges over the threads) are those of its
+   operations run one by one on buffers of their own (mpt__q_run_op's
+   im2col and products, mpt__q_binary), bit for bit: the batch and one
+   sample, on 1 and 2 threads. */
+static void test_forward_as_ops_one_by_one(void) {
+    static const int kinds[] = {MODEL_CNN,    MODEL_GAP,      MODEL_RESIDUAL,
+                                MODEL_MERGES, MODEL_BN_CHAIN, MODEL_BN_GRAPH};
+    int ki, threads, dynamic, chains = 0;
+    make_samples(31);
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
+            mpt_model *m, *q[2];
+            mpt_dataset *d;
+            m = make_model(ctx, kinds[ki], 320 + (unsigned)ki);
+            d = samples_dataset(ctx, N_SAMPLES, sample_x);
+            q[0] = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+            q[1] = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
+            for (dynamic = 0; q[0] && q[1] && dynamic <= 1; dynamic++) {
+                mpt__quantized *Q = q[dynamic]->quantized;
+                const mpt__qexec ex = dynamic ? MPT__QX_DYNAMIC : MPT__QX_INTEGER;
+                const size_t es = dynamic ? 4 : 1;
+                const int64_t per = mpt__q_out_count(Q) * (int64_t)es;
+                mpt__qwork *w = NULL;
+                void *buf[64] = {NULL};
+                int64_t n, k, diff = 0;
+                int i;
+                for (i = 0; !dynamic && i < Q->n_ops; i++) chains += Q->ops[i].chained > 0;
+                CHECK(Q->n_ops < 64 && mpt__qwork_reuse(ctx, Q, N_SAMPLES, &w) == MPT_OK, "work");
+                buf[0] = malloc((size_t)(N_SAMPLES * Q->in_count) * es);
+                for (k = 0; k < N_SAMPLES * Q->in_count; k++)
+                    if (dynamic) ((float *)buf[0])[k] = sample_x[k];
+                    else ((int8_t *)buf[0])[k] = mpt__q_quantize(sample_x[k], &Q->tensor[0]);
+                for (n = N_SAMPLES; w && n >= 1; n = n == 1 ? 0 : 1) {
+                    const void *out = NULL;
+                    unsigned char *got = (unsigned char *)malloc((size_t)(n * per));
+                    for (i = 0; i < Q->n_ops; i++) /* one by one */
+                        buf[i + 1] = malloc((size_t)(n * Q->ops[i].out_count) * es);
+                    for (i = 0; i < Q->n_ops; i++) {
+                        const mpt__qop *op = &Q->ops[i];
+                        const void *xs[MPT_MAX_MERGE_INPUTS];
+                        int j;
+                        for (j = 0; j < op->info.n_inputs; j++) xs[j] = buf[op->in_t[j]];
+                        if (op->info.op == MPT_QOP_RESHAPE)
+                            memcpy(buf[i + 1], xs[0], (size_t)(n * op->out_count) * es);
+                        else if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, !dynamic, xs[0], buf[i + 1], n);
+                        else if (op->info.op == MPT_QOP_CONCATENATION)
+                            mpt__q_concat(op, !dynamic, xs, buf[i + 1], n);
+                        else if (mpt__qop_is_merge(op))
+                            mpt__q_binary(op, !dynamic, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL,
+                                          buf[i + 1], n * op->out_count);
+                        else
+                            CHECK(mpt__q_run_op(ctx, Q, i, ex, xs[0], buf[i + 1], n, w) == MPT_OK,
+                                  "op %d", i);
+                    }
+                    CHECK(mpt__q_forward(ctx, Q, ex, buf[0], n, w, NULL, &out) == MPT_OK,
+                          "forward: %s", mpt_context_error(ctx));
+                    if (out) memcpy(got, out, (size_t)(n * per));
+                    for (k = 0; out && k < n * per; k++)
+                        diff += got[k] != ((const unsigned char *)buf[Q->out_t])[k];
+                    CHECK(out && diff == 0, "model %d, %s, %d threads, %lld samples: %lld of %lld "
+                          "bytes differ from the operations one by one", kinds[ki],
+                          dynamic ? "dynamic range" : "full integer", threads, (long long)n,
+                          (long long)diff, (long long)(n * per));
+                    for (i = 0; i < Q->n_ops; i++) free(buf[i + 1]);
+                    free(got);
+                }
+                free(buf[0]);
+            }
+            mpt_model_destroy(q[0]);
+            mpt_model_destroy(q[1]);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+        }
+    CHECK(chains == 2 * (2 + 3), "%d chains of per-channel MULs and ADDs, want 2 + 3 (a run "
+          "on 1 and 2 threads each)", chains);
+}
+
 int main(void) {
     TEST_RUN(test_rounding_ties_away_from_zero);
     TEST_RUN(test_batchnorm_folding_float);
@@ -3146,6 +3239,7 @@ int main(void) {
     TEST_RUN(test_calibration_mse);
     TEST_RUN(test_one_channel_conv_from_the_image);
     TEST_RUN(test_conv_from_windows);
+    TEST_RUN(test_forward_as_ops_one_by_one);
     TEST_RUN(test_graph_ops_within_steps);
     TEST_RUN(test_graph_merge_scalar_reference);
     TEST_RUN(test_graph_predict_modes);

@@ -31961,6 +31961,11 @@ typedef struct mpt__qop {
     int8_t *chain_lut;         /* (C, 256) full integer: channel_lut, then each
                                   chained op's, composed (not counted in
                                   size_bytes: what a predict holds)           */
+    int absorbs;               /* a Conv2D: 1 + the chain head whose output only
+                                  it reads: full integer may skip the chain and
+                                  look its table up as it copies its windows'
+                                  rows (mpt__qconv_takes); 0: none           */
+    int absorbed_by;           /* a chain head: 1 + that Conv2D, or 0         */
     int8_t *pair_lut;          /* (256, 256) full integer (+ 4 bytes a gather may
                                   read past it): a two-input ADD's,
                                   SUB's or MUL's output for each pair of
@@ -32817,10 +32822,23 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
     }
     for (i = 0; i < Q->n_ops; i++) {
         Q->ops[i].fuse_pool = mpt__q_pool_follows(Q, i);
+        Q->ops[i].absorbs = Q->ops[i].absorbed_by = 0;
         for (k = 0; k < Q->ops[i].info.n_inputs; k++) {
             const int r = Q->root[Q->ops[i].in_t[k]];
             last[r] = MPT__MAX(last[r], i + Q->ops[i].fuse_pool);
         }
+    }
+    for (i = 0; i < Q->n_ops; i++) { /* a chain only a Conv2D reads, which may absorb it */
+        const int end = i + MPT__MAX(0, Q->ops[i].chained);
+        int j, readers = 0, conv = -1;
+        if (Q->ops[i].chained <= 0 || Q->out_t == end + 1) continue;
+        for (j = end + 1; j < Q->n_ops; j++)
+            for (k = 0; k < Q->ops[j].info.n_inputs; k++)
+                if (Q->ops[j].in_t[k] == end + 1) readers++, conv = j;
+        if (readers != 1 || Q->ops[conv].info.op != MPT_QOP_CONV_2D) continue;
+        Q->ops[conv].absorbs = i + 1, Q->ops[i].absorbed_by = conv + 1;
+        /* the chain's input then lives until the Conv2D reads it */
+        last[Q->root[Q->ops[i].in_t[0]]] = MPT__MAX(last[Q->root[Q->ops[i].in_t[0]]], conv);
     }
     last[Q->root[Q->out_t]] = n; /* never given back */
     Q->n_slots = 1;
@@ -33632,6 +33650,8 @@ typedef struct mpt__qconv_job {
     const mpt__qop *op;
     const mpt_context *ctx;
     const int8_t *x;          /* (n, H, W, C) int8 codes                             */
+    const int8_t *table;      /* (C, 256): each code through its channel's table as it
+                                 is copied (an absorbed chain's chain_lut), or NULL  */
     const float *scale;       /* dynamic range: (n) each sample's scale; NULL: integer */
     void *y;                  /* (n, OH, OW, N) int8 or float32                      */
     int fill;                 /* what the padding holds, as u                         */
@@ -33768,6 +33788,15 @@ static void mpt__qconv_flip_copy(uint8_t *dst, const int8_t *src, int64_t n) {
     }
     for (; c < n; c++) dst[c] = (uint8_t)(src[c] ^ 0x80);
 }
+
+/* `pixels` pixels of C codes from src to dst as mpt__qconv_flip_copy
+   copies them, each code first through its channel's table (C, 256). */
+static void mpt__qconv_table_copy(uint8_t *dst, const int8_t *src, int64_t pixels, int64_t C,
+                                  const int8_t *table) {
+    int64_t p, c;
+    for (p = 0; p < pixels; p++, src += C, dst += C)
+        for (c = 0; c < C; c++) dst[c] = (uint8_t)(table[c * 256 + src[c] + 128] ^ 0x80);
+}
 #endif
 
 /* Task t: output rows [oy0, oy1) of sample t / parts, from the copy of
@@ -33798,8 +33827,12 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
             continue;
         }
         memset(dst, j->fill, (size_t)(c_lo * C));
-        mpt__qconv_flip_copy(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
-                             (c_hi - c_lo) * C);
+        if (j->table)
+            mpt__qconv_table_copy(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
+                                  c_hi - c_lo, C, j->table);
+        else
+            mpt__qconv_flip_copy(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
+                                 (c_hi - c_lo) * C);
         memset(dst + c_hi * C, j->fill, (size_t)(j->rb - c_hi * C));
     }
     for (p0 = 0; p0 < pixels; p0 += j->pix) {
@@ -33828,22 +33861,32 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
 #endif
 }
 
+/* Whether Conv2D op (C > 1) of the integer or dynamic pass runs from its
+   windows (mpt__qconv_run): mpt__q_direct_prepare made its taps, and a
+   row of windows fits the thread's scratch. */
+static int mpt__qconv_takes(const mpt_context *ctx, const mpt__qop *op, mpt__qexec ex) {
+    const mpt__win *g = &op->g;
+    const int64_t rb = (g->ow - 1) * g->sw * g->c + 4 * ((g->kw * g->c + 3) / 4);
+    return op->direct_w && g->c >= 2 && (ctx->cpu & MPT_CPU_AVX512_VNNI) && g->oh >= 1 &&
+           g->ow >= 1 && (ex == MPT__QX_INTEGER || ex == MPT__QX_DYNAMIC) &&
+           (double)rb * (double)g->kh <= (double)MPT__THREAD_SCRATCH_BYTES;
+}
+
 /* Runs Conv2D op (C > 1) of the integer or dynamic pass from its windows
-   when mpt__q_direct_prepare made its taps and a row of windows fits the
-   thread's scratch; returns whether it ran. Dynamic range quantizes each
-   sample first, as mpt__q_conv does, and leaves a batch with a sample
-   whose scale is not finite to it. Tasks: each sample's rows in parts
-   enough for 4 per thread, at least 2 blocks of pixels each. */
+   where mpt__qconv_takes it, each code through `table` first when one is
+   given (an absorbed chain's); returns whether it ran. Dynamic range
+   quantizes each sample first, as mpt__q_conv does, and leaves a batch
+   with a sample whose scale is not finite to it. Tasks: each sample's
+   rows in parts enough for 4 per thread, at least 2 blocks of pixels
+   each. */
 static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, mpt__qexec ex, const void *x,
-                          void *y, int64_t n, mpt__qwork *w) {
+                          const int8_t *table, void *y, int64_t n, mpt__qwork *w) {
     const mpt__win *g = &op->g;
     mpt__qconv_job j;
     int64_t r, fit, want;
-    if (!op->direct_w || g->c < 2 || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 ||
-        g->ow < 1 || (ex != MPT__QX_INTEGER && ex != MPT__QX_DYNAMIC))
-        return 0;
+    if (!mpt__qconv_takes(ctx, op, ex)) return 0;
     memset(&j, 0, sizeof j);
-    j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y;
+    j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y, j.table = table;
     j.fill = ex == MPT__QX_INTEGER ? op->info.input.zero_point + 128 : 128;
     j.npad = (op->info.out_channels + 15) / 16 * 16;
     j.pix = j.npad == 16 ? MPT__QCONV_PIX_WIDE : MPT__QCONV_PIX;
@@ -33852,7 +33895,6 @@ static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, mpt__qexec ex, c
     j.cols = (g->ow - 1) * g->sw + g->kw;
     /* output rows a task's copy holds: (rows − 1)·sh + kh rows of rb bytes */
     fit = ((int64_t)MPT__THREAD_SCRATCH_BYTES / j.rb - g->kh) / g->sh + 1;
-    if ((double)j.rb * (double)g->kh > (double)MPT__THREAD_SCRATCH_BYTES || fit < 1) return 0;
     want = MPT__MIN(g->oh, (4 * (int64_t)ctx->num_threads + n - 1) / n);
     want = MPT__MAX(1, MPT__MIN(want, g->oh * g->ow / (2 * j.pix)));
     j.rows = MPT__MIN(fit, (g->oh + want - 1) / want);
@@ -34425,7 +34467,20 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         const void *in = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
         void *y = mpt__q_tensor_at(Q, w, x, i + 1);
         pooled = 0;
-        if (mpt__qconv_run(ctx, op, ex, in, y, n, w) ||
+        if (ex == MPT__QX_INTEGER && op->absorbed_by &&
+            mpt__qconv_takes(ctx, &Q->ops[op->absorbed_by - 1], ex)) {
+            i += op->chained; /* the Conv2D after it looks the chain's table up */
+            continue;
+        }
+        if (ex == MPT__QX_INTEGER && op->absorbs && mpt__qconv_takes(ctx, op, ex)) {
+            const mpt__qop *head = &Q->ops[op->absorbs - 1];
+            MPT__CHECK(mpt__qconv_run(ctx, op, ex, mpt__q_tensor_at(Q, w, x, head->in_t[0]),
+                                      head->chain_lut, y, n, w)
+                           ? MPT_OK : mpt__fail(ctx, MPT_ERR_STATE, "quantized model: '%s' "
+                                                "did not run from its windows", op->name));
+            continue;
+        }
+        if (mpt__qconv_run(ctx, op, ex, in, NULL, y, n, w) ||
             mpt__q_direct_conv(ctx, Q, i, ex, in,
                                op->fuse_pool ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w,
                                &pooled)) {

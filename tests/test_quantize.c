@@ -3138,7 +3138,7 @@ static void test_conv_from_windows(void) {
 static void test_forward_as_ops_one_by_one(void) {
     static const int kinds[] = {MODEL_CNN,    MODEL_GAP,      MODEL_RESIDUAL,
                                 MODEL_MERGES, MODEL_BN_CHAIN, MODEL_BN_GRAPH};
-    int ki, threads, dynamic, chains = 0;
+    int ki, threads, dynamic, chains = 0, absorbed = 0;
     make_samples(31);
     for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
         for (threads = 1; threads <= 2; threads++) {
@@ -3158,7 +3158,10 @@ static void test_forward_as_ops_one_by_one(void) {
                 void *buf[64] = {NULL};
                 int64_t n, k, diff = 0;
                 int i;
-                for (i = 0; !dynamic && i < Q->n_ops; i++) chains += Q->ops[i].chained > 0;
+                for (i = 0; !dynamic && i < Q->n_ops; i++) {
+                    chains += Q->ops[i].chained > 0;
+                    absorbed += Q->ops[i].absorbs && mpt__qconv_takes(ctx, &Q->ops[i], ex);
+                }
                 CHECK(Q->n_ops < 64 && mpt__qwork_reuse(ctx, Q, N_SAMPLES, &w) == MPT_OK, "work");
                 buf[0] = malloc((size_t)(N_SAMPLES * Q->in_count) * es);
                 for (k = 0; k < N_SAMPLES * Q->in_count; k++)
@@ -3208,6 +3211,10 @@ static void test_forward_as_ops_one_by_one(void) {
         }
     CHECK(chains == 2 * (2 + 3), "%d chains of per-channel MULs and ADDs, want 2 + 3 (a run "
           "on 1 and 2 threads each)", chains);
+    /* BN_CHAIN's first and BN_GRAPH's on the input, looked up as their Conv2D copies rows */
+    if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) && (mpt__detect_cpu() & MPT_CPU_AVX512))
+        CHECK(absorbed == 2 * 2, "%d chains absorbed by the Conv2D after them, want 2 + 2",
+              absorbed);
 }
 
 int main(void) {

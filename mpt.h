@@ -32837,8 +32837,10 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
                 if (Q->ops[j].in_t[k] == end + 1) readers++, conv = j;
         if (readers != 1 || Q->ops[conv].info.op != MPT_QOP_CONV_2D) continue;
         Q->ops[conv].absorbs = i + 1, Q->ops[i].absorbed_by = conv + 1;
-        /* the chain's input then lives until the Conv2D reads it */
-        last[Q->root[Q->ops[i].in_t[0]]] = MPT__MAX(last[Q->root[Q->ops[i].in_t[0]]], conv);
+        /* the chain's input then lives until the Conv2D (and the pooling it
+           may run with) reads it */
+        last[Q->root[Q->ops[i].in_t[0]]] =
+            MPT__MAX(last[Q->root[Q->ops[i].in_t[0]]], conv + Q->ops[conv].fuse_pool);
     }
     last[Q->root[Q->out_t]] = n; /* never given back */
     Q->n_slots = 1;
@@ -33656,12 +33658,15 @@ typedef struct mpt__qconv_job {
     void *y;                  /* (n, OH, OW, N) int8 or float32                      */
     int fill;                 /* what the padding holds, as u                         */
     int pix;                  /* output pixels a block                                */
+    int win;                  /* 2: a 2×2 MaxPooling2D of stride 2 runs with it (y its
+                                 output, a block's pixels window by window); else 1   */
+    int64_t orows, ocols;     /* the rows and columns of y's grid                     */
     int64_t rb;               /* bytes of a copied row: OW's windows and the last
                                  window's 4-byte groups                               */
     int64_t cols;             /* the padded columns the windows read whole            */
     int64_t per_row;          /* 4-byte groups of a kernel row, ⌈kw·C / 4⌉           */
     int64_t npad;             /* N rounded up to 16                                   */
-    int64_t parts, rows;      /* a sample's output rows: `parts` tasks of `rows`      */
+    int64_t parts, rows;      /* a sample's rows of y: `parts` tasks of `rows`        */
 } mpt__qconv_job;
 
 #if MPT__X86
@@ -33723,14 +33728,30 @@ MPT__QCONV_KERNEL(mpt__qconv_kernel_24x16, MPT__QC_P24, 1)
 #undef MPT__QC_STORE1
 #undef MPT__QC_STORE2
 
-/* The block's sums (tile: `pixels` rows of 16·nb int32, `valid` of them
-   outputs) for filters [c0, c0 + 16·nb), plus the constant term, stored
-   at out (a pixel's N outputs a row): requantized as mpt_qgemm's plain
+/* The block's sums (tile: rows of 16·nb int32) for filters [c0, c0 +
+   16·nb), plus the constant term, stored at out (an output's N values a
+   row): `valid` outputs, each the maximum of `group` rows (4: a 2×2
+   pooling window's pixels; requantizing and dequantizing are monotone, so
+   the maximum of the outputs is the output of the maximum, as
+   mpt__q_direct_conv's pooling), requantized as mpt_qgemm's plain
    epilogue (mpt__requant16_avx512), or, with scale s (dynamic range),
    dequantized as mpt__q_direct_store_row_float. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qconv_sums(const int32_t *tile, int nb,
+                                                                    int v, int p, int group,
+                                                                    __m512i col) {
+    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
+    const int32_t *at = tile + (int64_t)p * group * 16 * nb + 16 * v;
+    __m512i x = _mm512_loadu_si512(at);
+    int q;
+    for (q = 1; q < group; q++)
+        x = _mm512_maskz_max_epi32(all, x, _mm512_loadu_si512(at + q * 16 * nb));
+    return _mm512_add_epi32(x, col);
+}
+
 MPT__TARGET_AVX512 static void mpt__qconv_store(const mpt__qconv_job *j, const int32_t *tile,
                                                int nb, int valid, int64_t c0, float s,
                                                void *out) {
+    const int group = j->win * j->win;
     const mpt__qop *op = j->op;
     const int64_t N = op->info.out_channels;
     const __mmask16 all = 0xffff;
@@ -33747,8 +33768,7 @@ MPT__TARGET_AVX512 static void mpt__qconv_store(const mpt__qconv_job *j, const i
                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             const __m512 bias = _mm512_maskz_loadu_ps(k, op->bias + c);
             for (p = 0; p < valid; p++) {
-                const __m512i x = _mm512_add_epi32(
-                    _mm512_loadu_si512(tile + (int64_t)p * 16 * nb + 16 * v), col);
+                const __m512i x = mpt__qconv_sums(tile, nb, v, p, group, col);
                 const __m512 r = _mm512_maskz_add_round_ps(
                     all,
                     _mm512_maskz_mul_round_ps(all, _mm512_maskz_cvtepi32_ps(all, x), sw,
@@ -33766,8 +33786,7 @@ MPT__TARGET_AVX512 static void mpt__qconv_store(const mpt__qconv_job *j, const i
             const __m512i right = _mm512_sub_epi32(_mm512_setzero_si512(),
                                                    _mm512_maskz_loadu_epi32(k, op->shift + c));
             for (p = 0; p < valid; p++) {
-                const __m512i x = _mm512_add_epi32(
-                    _mm512_loadu_si512(tile + (int64_t)p * 16 * nb + 16 * v), col);
+                const __m512i x = mpt__qconv_sums(tile, nb, v, p, group, col);
                 mpt__store16_int8_avx512((int8_t *)out + p * N + c, k,
                                          mpt__requant16_avx512(x, m, right, qlo, qhi, vzp));
             }
@@ -33806,13 +33825,14 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
     const mpt__qconv_job *j = (const mpt__qconv_job *)arg;
     const mpt__qop *op = j->op;
     const mpt__win *g = &op->g;
-    const int64_t b = t / j->parts, oy0 = (t % j->parts) * j->rows;
-    const int64_t oy1 = MPT__MIN(g->oh, oy0 + j->rows), C = g->c, N = op->info.out_channels;
-    const int64_t first = oy0 * g->sh, copied = (oy1 - 1 - oy0) * g->sh + g->kh;
-    const int64_t pixels = (oy1 - oy0) * g->ow, gstride = 4 * j->npad;
+    const int64_t b = t / j->parts, py0 = (t % j->parts) * j->rows, win = j->win;
+    const int64_t py1 = MPT__MIN(j->orows, py0 + j->rows), C = g->c, N = op->info.out_channels;
+    const int64_t oy0 = py0 * win, first = oy0 * g->sh; /* the Conv2D's rows from oy0 */
+    const int64_t copied = (py1 * win - 1 - oy0) * g->sh + g->kh;
+    const int64_t pixels = (py1 - py0) * j->ocols * win * win, gstride = 4 * j->npad;
     const size_t es = j->scale ? 4 : 1;
     const int8_t *x = j->x + b * g->h * g->w * C;
-    unsigned char *y = (unsigned char *)j->y + (size_t)((b * g->oh + oy0) * g->ow * N) * es;
+    unsigned char *y = (unsigned char *)j->y + (size_t)((b * j->orows + py0) * j->ocols * N) * es;
     uint8_t *copy = (uint8_t *)mpt__thread_scratch(j->ctx, thread);
     const uint8_t *px[MPT__QCONV_PIX_WIDE];
     int32_t tile[MPT__QCONV_PIX_WIDE * 16]; /* = MPT__QCONV_PIX × 32 */
@@ -33839,7 +33859,12 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
         const int valid = (int)MPT__MIN(j->pix, pixels - p0);
         for (p = 0; p < j->pix; p++) { /* a short block repeats its last pixel */
             const int64_t at = p0 + MPT__MIN(p, valid - 1);
-            px[p] = copy + (at / g->ow) * g->sh * j->rb + (at % g->ow) * g->sw * C;
+            int64_t row = at / g->ow, col = at % g->ow;
+            if (win > 1) { /* window at / 4's pixel at % 4 */
+                const int64_t w4 = at / 4, q = at % 4;
+                row = w4 / j->ocols * 2 + q / 2, col = w4 % j->ocols * 2 + q % 2;
+            }
+            px[p] = copy + row * g->sh * j->rb + col * g->sw * C;
         }
         for (c0 = 0; c0 < j->npad; c0 += 32) {
             const uint8_t *taps = op->direct_w + c0 * 4;
@@ -33853,12 +33878,29 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
             } else {
                 mpt__qconv_kernel_12x32(px, taps, g->kh, j->per_row, j->rb, gstride, tile);
             }
-            mpt__qconv_store(j, tile, nb, valid, c0, s, y + (size_t)(p0 * N) * es);
+            mpt__qconv_store(j, tile, nb, valid / (int)(win * win), c0, s,
+                             y + (size_t)(p0 / (win * win) * N) * es);
         }
     }
 #else
     (void)arg, (void)t, (void)thread;
 #endif
+}
+
+/* The MaxPooling2D op i + 1 that Conv2D op i may run with
+   (mpt__qconv_run): only it reads the Conv2D's output (fuse_pool), its
+   windows 2×2 of stride 2 within the image, and two rows of windows fit
+   the thread's scratch; or NULL. */
+static const mpt__qop *mpt__qconv_pool(const mpt__quantized *Q, int i) {
+    const mpt__qop *op = &Q->ops[i], *pool = i + 1 < Q->n_ops ? &Q->ops[i + 1] : NULL;
+    const mpt__win *g = &op->g;
+    const int64_t rb = (g->ow - 1) * g->sw * g->c + 4 * ((g->kw * g->c + 3) / 4);
+    if (!op->fuse_pool || !pool || pool->info.op != MPT_QOP_MAX_POOL_2D || pool->g.kh != 2 ||
+        pool->g.kw != 2 || pool->g.sh != 2 || pool->g.sw != 2 || pool->g.top || pool->g.left ||
+        pool->g.oh < 1 || pool->g.ow < 1 || 2 * pool->g.oh > g->oh || 2 * pool->g.ow > g->ow ||
+        (double)rb * (double)(g->sh + g->kh) > (double)MPT__THREAD_SCRATCH_BYTES)
+        return NULL;
+    return pool;
 }
 
 /* Whether Conv2D op (C > 1) of the integer or dynamic pass runs from its
@@ -33879,26 +33921,31 @@ static int mpt__qconv_takes(const mpt_context *ctx, const mpt__qop *op, mpt__qex
    with a sample whose scale is not finite to it. Tasks: each sample's
    rows in parts enough for 4 per thread, at least 2 blocks of pixels
    each. */
-static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, mpt__qexec ex, const void *x,
-                          const int8_t *table, void *y, int64_t n, mpt__qwork *w) {
+static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *pool,
+                          mpt__qexec ex, const void *x, const int8_t *table, void *y,
+                          int64_t n, mpt__qwork *w) {
     const mpt__win *g = &op->g;
     mpt__qconv_job j;
     int64_t r, fit, want;
     if (!mpt__qconv_takes(ctx, op, ex)) return 0;
     memset(&j, 0, sizeof j);
     j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y, j.table = table;
+    j.per_row = (g->kw * g->c + 3) / 4;
+    j.rb = (g->ow - 1) * g->sw * g->c + 4 * j.per_row;
+    if (pool && (((int64_t)MPT__THREAD_SCRATCH_BYTES / j.rb - g->kh) / g->sh + 1) / 2 < 1)
+        return 0; /* a window's rows do not fit (mpt__qconv_pool) */
+    j.win = pool ? 2 : 1;
+    j.orows = pool ? pool->g.oh : g->oh, j.ocols = pool ? pool->g.ow : g->ow;
     j.fill = ex == MPT__QX_INTEGER ? op->info.input.zero_point + 128 : 128;
     j.npad = (op->info.out_channels + 15) / 16 * 16;
     j.pix = j.npad == 16 ? MPT__QCONV_PIX_WIDE : MPT__QCONV_PIX;
-    j.per_row = (g->kw * g->c + 3) / 4;
-    j.rb = (g->ow - 1) * g->sw * g->c + 4 * j.per_row;
     j.cols = (g->ow - 1) * g->sw + g->kw;
-    /* output rows a task's copy holds: (rows − 1)·sh + kh rows of rb bytes */
-    fit = ((int64_t)MPT__THREAD_SCRATCH_BYTES / j.rb - g->kh) / g->sh + 1;
-    want = MPT__MIN(g->oh, (4 * (int64_t)ctx->num_threads + n - 1) / n);
-    want = MPT__MAX(1, MPT__MIN(want, g->oh * g->ow / (2 * j.pix)));
-    j.rows = MPT__MIN(fit, (g->oh + want - 1) / want);
-    j.parts = (g->oh + j.rows - 1) / j.rows;
+    /* rows of y a task's copy holds: (rows·win − 1)·sh + kh rows of rb bytes */
+    fit = (((int64_t)MPT__THREAD_SCRATCH_BYTES / j.rb - g->kh) / g->sh + 1) / j.win;
+    want = MPT__MIN(j.orows, (4 * (int64_t)ctx->num_threads + n - 1) / n);
+    want = MPT__MAX(1, MPT__MIN(want, j.orows * j.ocols * j.win * j.win / (2 * j.pix)));
+    j.rows = MPT__MIN(fit, (j.orows + want - 1) / want);
+    j.parts = (j.orows + j.rows - 1) / j.rows;
     if (ex == MPT__QX_DYNAMIC) {
         mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
                                        w->sample_scale);
@@ -34472,16 +34519,24 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
             i += op->chained; /* the Conv2D after it looks the chain's table up */
             continue;
         }
-        if (ex == MPT__QX_INTEGER && op->absorbs && mpt__qconv_takes(ctx, op, ex)) {
-            const mpt__qop *head = &Q->ops[op->absorbs - 1];
-            MPT__CHECK(mpt__qconv_run(ctx, op, ex, mpt__q_tensor_at(Q, w, x, head->in_t[0]),
-                                      head->chain_lut, y, n, w)
-                           ? MPT_OK : mpt__fail(ctx, MPT_ERR_STATE, "quantized model: '%s' "
-                                                "did not run from its windows", op->name));
-            continue;
+        if (op->info.op == MPT_QOP_CONV_2D && mpt__qconv_takes(ctx, op, ex)) {
+            /* from its windows: the chain it absorbs looked up as it copies
+               them, the MaxPooling2D after it taken with it */
+            const mpt__qop *head = ex == MPT__QX_INTEGER && op->absorbs
+                                       ? &Q->ops[op->absorbs - 1] : NULL;
+            const mpt__qop *pool = mpt__qconv_pool(Q, i);
+            if (mpt__qconv_run(ctx, op, pool, ex,
+                               head ? mpt__q_tensor_at(Q, w, x, head->in_t[0]) : in,
+                               head ? head->chain_lut : NULL,
+                               pool ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w)) {
+                i += pool != NULL;
+                continue;
+            }
+            if (head) /* it runs unless a dynamic sample's scale is not finite */
+                return mpt__fail(ctx, MPT_ERR_STATE, "quantized model: '%s' did not run from "
+                                 "its windows", op->name);
         }
-        if (mpt__qconv_run(ctx, op, ex, in, NULL, y, n, w) ||
-            mpt__q_direct_conv(ctx, Q, i, ex, in,
+        if (mpt__q_direct_conv(ctx, Q, i, ex, in,
                                op->fuse_pool ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w,
                                &pooled)) {
             i += pooled;

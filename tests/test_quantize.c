@@ -3014,23 +3014,27 @@ static void test_one_channel_conv_from_the_image(void) {
    reach the path's corners: 16 filters (blocks of 24 pixels), 32 and a
    multiple (12 × 32), 40 and 10 (a last block of 16, masked lanes), rows
    of kw·C bytes not a multiple of 4 (3 channels), strides, 1×1, 'same'
-   padding on every side, an image too small for a block, a MaxPooling2D
-   after it (which then runs on its own), a ReLU and none; the whole batch
-   and one sample alone (a sample's rows split over tasks), on 1 and 2
-   threads. */
+   padding on every side, an image too small for a block, a 2×2
+   MaxPooling2D after it ('valid': run with it, the maximum of each
+   window's sums requantized or dequantized, a row and a column of the
+   Conv2D's left out; 'same' on odd sizes: on its own), a ReLU and none;
+   the whole batch and one sample alone (a sample's rows split over
+   tasks), on 1 and 2 threads. */
 static void test_conv_from_windows(void) {
     static const struct {
         int64_t h, w, c, filters, kh, kw, sh, sw;
         mpt_padding pad;
-        int relu, pool;
+        int relu, pool; /* pool 1: MaxPooling2D 'valid', 2: 'same' */
     } cases[] = {
         {12, 12, 16, 16, 3, 3, 1, 1, MPT_PADDING_SAME, 1, 0},
         {13, 11, 32, 32, 3, 3, 1, 1, MPT_PADDING_VALID, 1, 1},
+        {12, 14, 16, 16, 3, 3, 1, 1, MPT_PADDING_SAME, 0, 1},
+        {10, 10, 16, 40, 3, 3, 1, 1, MPT_PADDING_VALID, 1, 1},
         {14, 14, 16, 32, 3, 3, 2, 2, MPT_PADDING_SAME, 0, 0},
         {14, 13, 16, 32, 1, 1, 2, 2, MPT_PADDING_VALID, 0, 0},
         {9, 10, 3, 40, 5, 3, 1, 2, MPT_PADDING_SAME, 1, 0},
         {7, 7, 64, 64, 3, 3, 1, 1, MPT_PADDING_SAME, 1, 0},
-        {6, 5, 8, 10, 2, 4, 1, 1, MPT_PADDING_SAME, 0, 1},
+        {6, 5, 8, 10, 2, 4, 1, 1, MPT_PADDING_SAME, 0, 2},
         {3, 2, 24, 48, 3, 3, 1, 1, MPT_PADDING_SAME, 1, 0},
     };
     enum { N = 9 };
@@ -3067,7 +3071,8 @@ static void test_conv_from_windows(void) {
                         .activation = cases[ci].relu ? MPT_ACT_RELU : MPT_ACT_NONE});
                     if (cases[ci].pool)
                         mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){
-                            .pool_size = {2, 2}, .padding = MPT_PADDING_SAME});
+                            .pool_size = {2, 2},
+                            .padding = cases[ci].pool == 1 ? MPT_PADDING_VALID : MPT_PADDING_SAME});
                     mpt_model_add_flatten(m, NULL);
                     CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
                     randomize(m, 400 + ci);
@@ -3083,6 +3088,11 @@ static void test_conv_from_windows(void) {
                         mpt_quantized_info info;
                         int64_t xshape[4] = {alone ? 1 : N, cases[ci].h, cases[ci].w, cases[ci].c};
                         direct[variant] = q->quantized->ops[0].direct_w != NULL;
+                        if (!variant)
+                            CHECK(!direct[0] || (cases[ci].pool == 1) ==
+                                                    (mpt__qconv_pool(q->quantized, 0) != NULL),
+                                  "case %d: the MaxPooling2D %s with the conv", ci,
+                                  cases[ci].pool == 1 ? "does not run" : "runs");
                         memset(&y8, 0, sizeof y8);
                         if (dynamic) {
                             mpt_tensor_wrap(ctx, &x8, MPT_FLOAT32, 4, xshape, xs);

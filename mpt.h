@@ -33484,6 +33484,28 @@ MPT__TARGET_AVX512 static void mpt__q_pair_lookup_avx512(const int8_t *lut, cons
     }
 }
 
+/* A chain's float ops (count_ops of them from ops, each a MUL or ADD by a
+   constant per channel) on each element in turn, as mpt__q_by_channel
+   runs them one after the other: the same roundings. out may be x. */
+MPT__TARGET_AVX512 static void mpt__q_chain_float_avx512(const mpt__qop *ops, int count_ops,
+                                                         const float *x, float *out,
+                                                         int64_t count) {
+    const int64_t C = ops[0].info.n_constants;
+    int64_t k, c;
+    int f;
+    for (k = 0; k < count; k += C)
+        for (c = 0; c < C; c += 16) {
+            const __mmask16 m = C - c >= 16 ? (__mmask16)0xffff
+                                            : (__mmask16)((1u << (C - c)) - 1u);
+            __m512 v = _mm512_maskz_loadu_ps(m, x + k + c);
+            for (f = 0; f < count_ops; f++)
+                v = mpt__q_binary16_avx512(ops[f].info.op == MPT_QOP_ADD ? 0 : 2, v,
+                                           _mm512_maskz_loadu_ps(m, ops[f].channel + c),
+                                           ops[f].info.activation == MPT_ACT_RELU);
+            _mm512_mask_storeu_ps(out + k + c, m, v);
+        }
+}
+
 MPT__TARGET_AVX512 static void mpt__q_binary_float_avx512(int kind, const float *x0,
                                                           const float *x1, float constant,
                                                           const float *channel, int64_t C,
@@ -34411,6 +34433,7 @@ static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, cons
 typedef struct mpt__qbinary_job {
     const mpt__qop *op;
     const int8_t *chain;     /* full integer: a chain's table (chain_lut), or NULL */
+    int chained;             /* float: the ops after op run with it (op->chained), or 0 */
     int integer;
     int avx512;              /* the context has AVX-512 (the float operations) */
     size_t es;               /* bytes of an element: 4, or 1 in int8 */
@@ -34424,6 +34447,19 @@ static void mpt__q_binary_task(void *arg, int64_t task, int thread) {
     const int64_t k = task * j->run, n = MPT__MIN(j->run, j->count - k);
     const size_t at = (size_t)k * j->es;
     (void)thread;
+    if (j->chained) { /* float: each element through the chain's ops in turn */
+        int f;
+#if MPT__X86
+        if (j->avx512) {
+            mpt__q_chain_float_avx512(j->op, 1 + j->chained, (const float *)(j->a + at),
+                                      (float *)(j->y + at), n);
+            return;
+        }
+#endif
+        for (f = 0; f <= j->chained; f++)
+            mpt__q_by_channel(j->op + f, 0, f ? j->y + at : j->a + at, j->y + at, n);
+        return;
+    }
 #if MPT__X86
     if (j->integer && j->avx512 && j->b && j->op->pair_lut) {
         mpt__q_pair_lookup_avx512(j->op->pair_lut, (const int8_t *)(j->a + at),
@@ -34452,12 +34488,12 @@ static void mpt__q_binary_task(void *arg, int64_t task, int thread) {
 }
 
 static void mpt__q_binary_parallel(mpt_context *ctx, const mpt__qop *op, const int8_t *chain,
-                                   int integer, const void *a, const void *b, void *y,
-                                   int64_t count) {
+                                   int chained, int integer, const void *a, const void *b,
+                                   void *y, int64_t count) {
     const int64_t row = MPT__MAX(1, op->info.n_constants); /* channels start each run */
     const int64_t want = (count + 4 * (int64_t)ctx->num_threads - 1) / (4 * ctx->num_threads);
     mpt__qbinary_job j;
-    j.op = op, j.chain = chain, j.integer = integer, j.es = integer ? 1 : 4;
+    j.op = op, j.chain = chain, j.chained = chained, j.integer = integer, j.es = integer ? 1 : 4;
     j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
     j.a = (const unsigned char *)a, j.b = (const unsigned char *)b, j.y = (unsigned char *)y;
     j.count = count;
@@ -34466,8 +34502,10 @@ static void mpt__q_binary_parallel(mpt_context *ctx, const mpt__qop *op, const i
 }
 
 /* Operation i of a graph that reads several tensors, or pads; or a MUL or
-   ADD by a constant per channel (full integer: with the ops chained to
-   it, as one table). */
+   ADD by a constant per channel, with the ops chained to it (full
+   integer: as one table; float16 and dynamic range: each element through
+   them in turn, one pass) except in the reference pass, which calibration
+   observes op by op. */
 static void mpt__q_run_graph_op(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
                                 const void *x, void *y, int64_t n, const mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
@@ -34478,6 +34516,8 @@ static void mpt__q_run_graph_op(mpt_context *ctx, const mpt__quantized *Q, int i
     if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, integer, xs[0], y, n);
     else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, integer, xs, y, n);
     else mpt__q_binary_parallel(ctx, op, integer && op->chained > 0 ? op->chain_lut : NULL,
+                                !integer && ex != MPT__QX_REFERENCE ? MPT__MAX(0, op->chained)
+                                                                    : 0,
                                 integer, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, y,
                                 n * op->out_count);
 }
@@ -34545,9 +34585,9 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         if (op->info.op == MPT_QOP_RESHAPE) { /* the same bytes */
         } else if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
             mpt__q_run_graph_op(ctx, Q, i, ex, x, y, n, w);
-            /* full integer: the chained ops' codes are written (their
-               bytes are this op's, mpt__q_plan) */
-            if (ex == MPT__QX_INTEGER && op->chained > 0) i += op->chained;
+            /* the chained ops' outputs are written (their bytes are this
+               op's, mpt__q_plan), but in the reference pass */
+            if (ex != MPT__QX_REFERENCE && op->chained > 0) i += op->chained;
         } else if (op->info.op == MPT_QOP_ATTENTION) {
             mpt__q_attention(ctx, Q, i, x, y, n, w);
         } else {

@@ -31991,6 +31991,10 @@ typedef struct mpt__qop {
     /* The tensors it reads (0: the model's input, j + 1: op j's output);
        info.inputs says the same in ops. */
     int in_t[MPT_MAX_MERGE_INPUTS];
+    int fuse_add;              /* a Conv2D whose output only the two-input ADD
+                                  or SUB right after it reads, as its input
+                                  fuse_add − 1: full integer may look the
+                                  ADD's pair_lut up as it stores (mpt__q_plan) */
     int fuse_pool;             /* a Conv2D whose output only the MaxPooling2D
                                   right after it reads: they may run as one
                                   (mpt__q_direct_conv)                       */
@@ -32758,6 +32762,25 @@ static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
     return 1;
 }
 
+/* 1 + the input of op i + 1 that Conv2D op i's output is, where op i + 1
+   is a two-input ADD or SUB (ResNet's residual ADD) and the only reader of
+   that output, which is not the model's output; else 0. The Conv2D then
+   keeps its input alive through the ADD, which it may write. */
+static int mpt__q_add_follows(const mpt__quantized *Q, int i) {
+    const mpt__qop *add = i + 1 < Q->n_ops ? &Q->ops[i + 1] : NULL;
+    int j, k, side;
+    if (Q->ops[i].info.op != MPT_QOP_CONV_2D || !add ||
+        (add->info.op != MPT_QOP_ADD && add->info.op != MPT_QOP_SUB) ||
+        add->info.n_inputs != 2 || Q->out_t == i + 1 || add->in_t[0] == add->in_t[1])
+        return 0;
+    side = add->in_t[0] == i + 1 ? 0 : add->in_t[1] == i + 1 ? 1 : -1;
+    if (side < 0 || add->out_count != Q->ops[i].out_count) return 0;
+    for (j = i + 2; j < Q->n_ops; j++)
+        for (k = 0; k < Q->ops[j].info.n_inputs; k++)
+            if (Q->ops[j].in_t[k] == i + 1) return 0;
+    return 1 + side;
+}
+
 /* A MUL or ADD by a constant per channel (an unfolded BatchNormalization's
    halves): a function of one int8 code per channel. */
 static int mpt__qop_by_channel(const mpt__qop *op) {
@@ -32822,10 +32845,11 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
     }
     for (i = 0; i < Q->n_ops; i++) {
         Q->ops[i].fuse_pool = mpt__q_pool_follows(Q, i);
+        Q->ops[i].fuse_add = mpt__q_add_follows(Q, i);
         Q->ops[i].absorbs = Q->ops[i].absorbed_by = 0;
         for (k = 0; k < Q->ops[i].info.n_inputs; k++) {
             const int r = Q->root[Q->ops[i].in_t[k]];
-            last[r] = MPT__MAX(last[r], i + Q->ops[i].fuse_pool);
+            last[r] = MPT__MAX(last[r], i + Q->ops[i].fuse_pool + (Q->ops[i].fuse_add > 0));
         }
     }
     for (i = 0; i < Q->n_ops; i++) { /* a chain only a Conv2D reads, which may absorb it */
@@ -32840,7 +32864,8 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
         /* the chain's input then lives until the Conv2D (and the pooling it
            may run with) reads it */
         last[Q->root[Q->ops[i].in_t[0]]] =
-            MPT__MAX(last[Q->root[Q->ops[i].in_t[0]]], conv + Q->ops[conv].fuse_pool);
+            MPT__MAX(last[Q->root[Q->ops[i].in_t[0]]],
+                     conv + Q->ops[conv].fuse_pool + (Q->ops[conv].fuse_add > 0));
     }
     last[Q->root[Q->out_t]] = n; /* never given back */
     Q->n_slots = 1;
@@ -33683,6 +33708,10 @@ typedef struct mpt__qconv_job {
     int win;                  /* 2: a 2×2 MaxPooling2D of stride 2 runs with it (y its
                                  output, a block's pixels window by window); else 1   */
     int64_t orows, ocols;     /* the rows and columns of y's grid                     */
+    const int8_t *other;      /* full integer: the ADD's other input (y's shape) whose
+                                 pair_lut each requantized code goes through, or NULL */
+    const int8_t *pair;       /* that ADD's pair_lut                                  */
+    int side;                 /* which of the ADD's inputs the Conv2D's output is     */
     int64_t rb;               /* bytes of a copied row: OW's windows and the last
                                  window's 4-byte groups                               */
     int64_t cols;             /* the padded columns the windows read whole            */
@@ -33756,8 +33785,10 @@ MPT__QCONV_KERNEL(mpt__qconv_kernel_24x16, MPT__QC_P24, 1)
    pooling window's pixels; requantizing and dequantizing are monotone, so
    the maximum of the outputs is the output of the maximum, as
    mpt__q_direct_conv's pooling), requantized as mpt_qgemm's plain
-   epilogue (mpt__requant16_avx512), or, with scale s (dynamic range),
-   dequantized as mpt__q_direct_store_row_float. */
+   epilogue (mpt__requant16_avx512), then with `other` (the residual ADD
+   after it: its other input, as out is laid out) the ADD's code for the
+   pair from its pair_lut; or, with scale s (dynamic range), dequantized
+   as mpt__q_direct_store_row_float. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qconv_sums(const int32_t *tile, int nb,
                                                                     int v, int p, int group,
                                                                     __m512i col) {
@@ -33772,7 +33803,7 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qconv_sums(const int32
 
 MPT__TARGET_AVX512 static void mpt__qconv_store(const mpt__qconv_job *j, const int32_t *tile,
                                                int nb, int valid, int64_t c0, float s,
-                                               void *out) {
+                                               void *out, const int8_t *other) {
     const int group = j->win * j->win;
     const mpt__qop *op = j->op;
     const int64_t N = op->info.out_channels;
@@ -33809,8 +33840,17 @@ MPT__TARGET_AVX512 static void mpt__qconv_store(const mpt__qconv_job *j, const i
                                                    _mm512_maskz_loadu_epi32(k, op->shift + c));
             for (p = 0; p < valid; p++) {
                 const __m512i x = mpt__qconv_sums(tile, nb, v, p, group, col);
-                mpt__store16_int8_avx512((int8_t *)out + p * N + c, k,
-                                         mpt__requant16_avx512(x, m, right, qlo, qhi, vzp));
+                __m512i q = mpt__requant16_avx512(x, m, right, qlo, qhi, vzp);
+                if (other) { /* the ADD's code for the pair, a gather of table words */
+                    const __m512i o =
+                        _mm512_maskz_cvtepi8_epi32(all, _mm_maskz_loadu_epi8(k, other + p * N + c));
+                    const __m512i hi = j->side ? o : q, lo = j->side ? q : o;
+                    const __m512i at = _mm512_add_epi32(
+                        _mm512_add_epi32(_mm512_maskz_slli_epi32(all, hi, 8), lo),
+                        _mm512_set1_epi32(128 * 256 + 128));
+                    q = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, at, j->pair, 1);
+                }
+                mpt__store16_int8_avx512((int8_t *)out + p * N + c, k, q);
             }
         }
     }
@@ -33901,7 +33941,10 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
                 mpt__qconv_kernel_12x32(px, taps, g->kh, j->per_row, j->rb, gstride, tile);
             }
             mpt__qconv_store(j, tile, nb, valid / (int)(win * win), c0, s,
-                             y + (size_t)(p0 / (win * win) * N) * es);
+                             y + (size_t)(p0 / (win * win) * N) * es,
+                             j->other ? j->other + (y - (unsigned char *)j->y) +
+                                            p0 / (win * win) * N
+                                      : NULL);
         }
     }
 #else
@@ -33938,14 +33981,17 @@ static int mpt__qconv_takes(const mpt_context *ctx, const mpt__qop *op, mpt__qex
 
 /* Runs Conv2D op (C > 1) of the integer or dynamic pass from its windows
    where mpt__qconv_takes it, each code through `table` first when one is
-   given (an absorbed chain's); returns whether it ran. Dynamic range
+   given (an absorbed chain's), and with the MaxPooling2D `pool` or the
+   ADD `add` after it (reading `other`) when one is given, y then their
+   output; returns whether it ran. Dynamic range
    quantizes each sample first, as mpt__q_conv does, and leaves a batch
    with a sample whose scale is not finite to it. Tasks: each sample's
    rows in parts enough for 4 per thread, at least 2 blocks of pixels
    each. */
 static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *pool,
-                          mpt__qexec ex, const void *x, const int8_t *table, void *y,
-                          int64_t n, mpt__qwork *w) {
+                          const mpt__qop *add, const int8_t *other, mpt__qexec ex,
+                          const void *x, const int8_t *table, void *y, int64_t n,
+                          mpt__qwork *w) {
     const mpt__win *g = &op->g;
     mpt__qconv_job j;
     int64_t r, fit, want;
@@ -33957,6 +34003,7 @@ static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *
     if (pool && (((int64_t)MPT__THREAD_SCRATCH_BYTES / j.rb - g->kh) / g->sh + 1) / 2 < 1)
         return 0; /* a window's rows do not fit (mpt__qconv_pool) */
     j.win = pool ? 2 : 1;
+    if (add) j.other = other, j.pair = add->pair_lut, j.side = op->fuse_add - 1;
     j.orows = pool ? pool->g.oh : g->oh, j.ocols = pool ? pool->g.ow : g->ow;
     j.fill = ex == MPT__QX_INTEGER ? op->info.input.zero_point + 128 : 128;
     j.npad = (op->info.out_channels + 15) / 16 * 16;
@@ -34565,11 +34612,16 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
             const mpt__qop *head = ex == MPT__QX_INTEGER && op->absorbs
                                        ? &Q->ops[op->absorbs - 1] : NULL;
             const mpt__qop *pool = mpt__qconv_pool(Q, i);
-            if (mpt__qconv_run(ctx, op, pool, ex,
-                               head ? mpt__q_tensor_at(Q, w, x, head->in_t[0]) : in,
+            const mpt__qop *add = ex == MPT__QX_INTEGER && op->fuse_add && Q->ops[i + 1].pair_lut
+                                      ? &Q->ops[i + 1] : NULL;
+            if (mpt__qconv_run(ctx, op, pool, add,
+                               add ? (const int8_t *)mpt__q_tensor_at(
+                                         Q, w, x, add->in_t[2 - op->fuse_add])
+                                   : NULL,
+                               ex, head ? mpt__q_tensor_at(Q, w, x, head->in_t[0]) : in,
                                head ? head->chain_lut : NULL,
-                               pool ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w)) {
-                i += pool != NULL;
+                               pool || add ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w)) {
+                i += pool || add; /* ran with it */
                 continue;
             }
             if (head) /* it runs unless a dynamic sample's scale is not finite */

@@ -3145,10 +3145,14 @@ static void test_conv_from_windows(void) {
    operations run one by one on buffers of their own (mpt__q_run_op's
    im2col and products, mpt__q_binary), bit for bit: the batch and one
    sample, on 1 and 2 threads. */
+/* RESIDUAL's two ADDs (the Conv2D's output their first input, then their
+   second), BN_GRAPH's one and MERGES' Average's first (of the shared
+   Conv2D's two calls). */
+#define ADDS_AFTER_CONV 4
 static void test_forward_as_ops_one_by_one(void) {
     static const int kinds[] = {MODEL_CNN,    MODEL_GAP,      MODEL_RESIDUAL,
                                 MODEL_MERGES, MODEL_BN_CHAIN, MODEL_BN_GRAPH};
-    int ki, threads, dynamic, chains = 0, absorbed = 0;
+    int ki, threads, dynamic, chains = 0, absorbed = 0, adds = 0;
     make_samples(31);
     for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
         for (threads = 1; threads <= 2; threads++) {
@@ -3171,6 +3175,7 @@ static void test_forward_as_ops_one_by_one(void) {
                 for (i = 0; !dynamic && i < Q->n_ops; i++) {
                     chains += Q->ops[i].chained > 0;
                     absorbed += Q->ops[i].absorbs && mpt__qconv_takes(ctx, &Q->ops[i], ex);
+                    adds += Q->ops[i].fuse_add && mpt__qconv_takes(ctx, &Q->ops[i], ex);
                 }
                 CHECK(Q->n_ops < 64 && mpt__qwork_reuse(ctx, Q, N_SAMPLES, &w) == MPT_OK, "work");
                 buf[0] = malloc((size_t)(N_SAMPLES * Q->in_count) * es);
@@ -3223,8 +3228,9 @@ static void test_forward_as_ops_one_by_one(void) {
           "on 1 and 2 threads each)", chains);
     /* BN_CHAIN's first and BN_GRAPH's on the input, looked up as their Conv2D copies rows */
     if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) && (mpt__detect_cpu() & MPT_CPU_AVX512))
-        CHECK(absorbed == 2 * 2, "%d chains absorbed by the Conv2D after them, want 2 + 2",
-              absorbed);
+        CHECK(absorbed == 2 * 2 && adds == 2 * ADDS_AFTER_CONV,
+              "%d chains absorbed by the Conv2D after them (want 2 + 2), %d ADDs run with the "
+              "Conv2D before them (want %d)", absorbed, adds, 2 * ADDS_AFTER_CONV);
 }
 
 int main(void) {

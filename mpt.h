@@ -381,6 +381,8 @@
                           operations; the attention's int8 projections
        @impl-quantized-passes  a batch through them: float32, float16,
                           dynamic-range, int8; a graph's merges and padding
+       @impl-quantized-conv  the direct int8 Conv2D of several channels (its
+                          windows read where they lie, no im2col)
        @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
                           and its MaxPooling2D from the image), int8 softmax,
                           the batch's run
@@ -32359,7 +32361,20 @@ typedef struct mpt__qop {
                                   output for each channel and input code (+ 128),
                                   made once from the arithmetic (not counted in
                                   size_bytes: what a predict holds)           */
-    int8_t *pair_lut;          /* (256, 256) full integer: a two-input ADD's,
+    int chained;               /* a per-channel MUL or ADD: how many such ops
+                                  after it (each reading only the one before)
+                                  full integer runs with it as one table,
+                                  chain_lut; −1: one of those (mpt__q_plan) */
+    int8_t *chain_lut;         /* (C, 256) full integer: channel_lut, then each
+                                  chained op's, composed (not counted in
+                                  size_bytes: what a predict holds)           */
+    int absorbs;               /* a Conv2D: 1 + the chain head whose output only
+                                  it reads: full integer may skip the chain and
+                                  look its table up as it copies its windows'
+                                  rows (mpt__qconv_takes); 0: none           */
+    int absorbed_by;           /* a chain head: 1 + that Conv2D, or 0         */
+    int8_t *pair_lut;          /* (256, 256) full integer (+ 4 bytes a gather may
+                                  read past it): a two-input ADD's,
                                   SUB's or MUL's output for each pair of
                                   input codes (+ 128), made once as above    */
     int8_t *wq;                /* (N, K) int8 modes                            */
@@ -32383,6 +32398,10 @@ typedef struct mpt__qop {
     /* The tensors it reads (0: the model's input, j + 1: op j's output);
        info.inputs says the same in ops. */
     int in_t[MPT_MAX_MERGE_INPUTS];
+    int fuse_add;              /* a Conv2D whose output only the two-input ADD
+                                  or SUB right after it reads, as its input
+                                  fuse_add − 1: full integer may look the
+                                  ADD's pair_lut up as it stores (mpt__q_plan) */
     int fuse_pool;             /* a Conv2D whose output only the MaxPooling2D
                                   right after it reads: they may run as one
                                   (mpt__q_direct_conv)                       */
@@ -32460,6 +32479,7 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->channel);
     mpt__free(ctx, op->channel_q);
     mpt__free(ctx, op->channel_lut);
+    mpt__free(ctx, op->chain_lut);
     mpt__free(ctx, op->pair_lut);
     mpt__free(ctx, op->wq);
     mpt__qgemm_packed_free(ctx, op->wpacked);
@@ -33149,6 +33169,49 @@ static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
     return 1;
 }
 
+/* 1 + the input of op i + 1 that Conv2D op i's output is, where op i + 1
+   is a two-input ADD or SUB (ResNet's residual ADD) and the only reader of
+   that output, which is not the model's output; else 0. The Conv2D then
+   keeps its input alive through the ADD, which it may write. */
+static int mpt__q_add_follows(const mpt__quantized *Q, int i) {
+    const mpt__qop *add = i + 1 < Q->n_ops ? &Q->ops[i + 1] : NULL;
+    int j, k, side;
+    if (Q->ops[i].info.op != MPT_QOP_CONV_2D || !add ||
+        (add->info.op != MPT_QOP_ADD && add->info.op != MPT_QOP_SUB) ||
+        add->info.n_inputs != 2 || Q->out_t == i + 1 || add->in_t[0] == add->in_t[1])
+        return 0;
+    side = add->in_t[0] == i + 1 ? 0 : add->in_t[1] == i + 1 ? 1 : -1;
+    if (side < 0 || add->out_count != Q->ops[i].out_count) return 0;
+    for (j = i + 2; j < Q->n_ops; j++)
+        for (k = 0; k < Q->ops[j].info.n_inputs; k++)
+            if (Q->ops[j].in_t[k] == i + 1) return 0;
+    return 1 + side;
+}
+
+/* A MUL or ADD by a constant per channel (an unfolded BatchNormalization's
+   halves): a function of one int8 code per channel. */
+static int mpt__qop_by_channel(const mpt__qop *op) {
+    return (op->info.op == MPT_QOP_MUL || op->info.op == MPT_QOP_ADD) &&
+           op->info.n_inputs == 1 && op->info.n_constants > 0;
+}
+
+/* Whether op i + 1 continues a chain that ends with op i: both by a
+   constant per channel, over as many channels, op i + 1 the only reader
+   of op i's output, which is not the model's output. Full integer then
+   composes their tables into one (the same codes: each is a function of
+   one code per channel), and the float passes run op i + 1 in place. */
+static int mpt__q_chains_after(const mpt__quantized *Q, int i) {
+    int j, k;
+    if (i + 1 >= Q->n_ops || !mpt__qop_by_channel(&Q->ops[i]) ||
+        !mpt__qop_by_channel(&Q->ops[i + 1]) || Q->ops[i + 1].in_t[0] != i + 1 ||
+        Q->ops[i + 1].info.n_constants != Q->ops[i].info.n_constants || Q->out_t == i + 1)
+        return 0;
+    for (j = i + 2; j < Q->n_ops; j++)
+        for (k = 0; k < Q->ops[j].info.n_inputs; k++)
+            if (Q->ops[j].in_t[k] == i + 1) return 0;
+    return 1;
+}
+
 /* The largest buffers one sample needs, for mpt__qwork_alloc, and where
    each tensor lives: its root (a reshape's is its input's) and the slot
    of the work block that holds the root, the lowest one free when it is
@@ -33168,9 +33231,18 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
     }
     busy = last + n; /* the root each slot holds, or −1 */
     Q->in_count = Q->max_count = in_count;
+    for (i = 0; i < Q->n_ops; i++) { /* chains of per-channel MULs and ADDs */
+        int end = i;
+        while (mpt__q_chains_after(Q, end)) Q->ops[++end].chained = -1;
+        Q->ops[i].chained = end - i;
+        i = end;
+    }
     for (t = 0; t < n; t++) {
         const mpt__qop *op = t ? &Q->ops[t - 1] : NULL;
-        Q->root[t] = op && op->info.op == MPT_QOP_RESHAPE ? Q->root[op->in_t[0]] : t;
+        /* a reshape's output is its input's bytes, and so is a chained op's
+           (the float passes run it in place; full integer skips it) */
+        Q->root[t] = op && (op->info.op == MPT_QOP_RESHAPE || op->chained < 0)
+                         ? Q->root[op->in_t[0]] : t;
         last[t] = -1, busy[t] = -1;
         if (op) Q->max_count = MPT__MAX(Q->max_count, op->out_count);
         if (op && op->info.op == MPT_QOP_CONV_2D)
@@ -33180,10 +33252,27 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
     }
     for (i = 0; i < Q->n_ops; i++) {
         Q->ops[i].fuse_pool = mpt__q_pool_follows(Q, i);
+        Q->ops[i].fuse_add = mpt__q_add_follows(Q, i);
+        Q->ops[i].absorbs = Q->ops[i].absorbed_by = 0;
         for (k = 0; k < Q->ops[i].info.n_inputs; k++) {
             const int r = Q->root[Q->ops[i].in_t[k]];
-            last[r] = MPT__MAX(last[r], i + Q->ops[i].fuse_pool);
+            last[r] = MPT__MAX(last[r], i + Q->ops[i].fuse_pool + (Q->ops[i].fuse_add > 0));
         }
+    }
+    for (i = 0; i < Q->n_ops; i++) { /* a chain only a Conv2D reads, which may absorb it */
+        const int end = i + MPT__MAX(0, Q->ops[i].chained);
+        int j, readers = 0, conv = -1;
+        if (Q->ops[i].chained <= 0 || Q->out_t == end + 1) continue;
+        for (j = end + 1; j < Q->n_ops; j++)
+            for (k = 0; k < Q->ops[j].info.n_inputs; k++)
+                if (Q->ops[j].in_t[k] == end + 1) readers++, conv = j;
+        if (readers != 1 || Q->ops[conv].info.op != MPT_QOP_CONV_2D) continue;
+        Q->ops[conv].absorbs = i + 1, Q->ops[i].absorbed_by = conv + 1;
+        /* the chain's input then lives until the Conv2D (and the pooling it
+           may run with) reads it */
+        last[Q->root[Q->ops[i].in_t[0]]] =
+            MPT__MAX(last[Q->root[Q->ops[i].in_t[0]]],
+                     conv + Q->ops[conv].fuse_pool + (Q->ops[conv].fuse_add > 0));
     }
     last[Q->root[Q->out_t]] = n; /* never given back */
     Q->n_slots = 1;
@@ -33214,9 +33303,11 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
    alive for later readers (mpt__q_plan; a reshape writes nothing: its
    readers read its input).
    Convolutions run as products over im2col rows, a chunk of samples at a
-   time (as Conv2D does); in the int8 passes a one-channel Conv2D, and the
-   MaxPooling2D after it, run straight from the image instead where the
-   CPU has VNNI ("a one-channel Conv2D from the image" below). The loops
+   time (as Conv2D does); in the int8 passes, where the CPU has VNNI, a
+   Conv2D of several channels runs from its windows instead
+   (@impl-quantized-conv), and a one-channel Conv2D, with the
+   MaxPooling2D after it, straight from the image ("a one-channel Conv2D
+   from the image" in @impl-quantized-direct). The loops
    run over the context's threads a sample or a few rows a task, each task
    writing only its own outputs, and the products through
    mpt_gemm/mpt_qgemm, which split their work the same way: no result
@@ -33774,31 +33865,133 @@ static int8_t mpt__q_mul_int8(const mpt__qop *op, int8_t a, int8_t b) {
                                           op->info.output.zero_point));
 }
 
+/* Each of `count` int8 codes (channels over the last axis, C of them)
+   through its channel's table of 256 outputs (lut: (C, 256), for code +
+   128): a per-channel MUL's or ADD's codes (mpt__q_channel_table), or a
+   chain's (chain_lut). */
+static void mpt__q_lookup_channels(const int8_t *lut, int64_t C, const int8_t *a, int8_t *y,
+                                   int64_t count) {
+    int64_t k, c;
+    for (k = 0; k < count; k += C) {
+        const int8_t *MPT__RESTRICT x = a + k;
+        int8_t *MPT__RESTRICT out = y + k;
+        for (c = 0; c < C; c++) out[c] = lut[c * 256 + x[c] + 128];
+    }
+}
+
+#if MPT__X86
+MPT__AVX512_QUIET_BEGIN
+/* The float32 ADD, SUB or MUL of mpt__q_binary and mpt__q_by_channel in
+   AVX-512, the same bits: one IEEE operation an element, then ReLU as
+   `v < 0 ? 0 : v` (a NaN and −0 kept), 16 lanes a step, the tail under a
+   mask. (GCC's -O2 leaves loops whose count is not known unvectorized,
+   and turns that ReLU into a branch an element.) kind: 0 ADD, 1 SUB, 2 MUL
+   by x1, 3 MUL by `constant`; per channel (channel non-NULL): ADD or MUL
+   (kind 0 or 2) by channel[c], rows of C. out may be x0. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__q_binary16_avx512(int kind, __m512 a,
+                                                                         __m512 b, int relu) {
+    const __m512 v = kind == 0 ? _mm512_add_ps(a, b)
+                     : kind == 1 ? _mm512_sub_ps(a, b)
+                                 : _mm512_mul_ps(a, b);
+    return relu ? _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                     _mm512_setzero_ps())
+                : v;
+}
+
+/* mpt__q_binary's pair_lut lookups in AVX-512, 16 elements a gather of
+   their words (each word's low byte the code), the tail under a mask. */
+MPT__TARGET_AVX512 static void mpt__q_pair_lookup_avx512(const int8_t *lut, const int8_t *x0,
+                                                         const int8_t *x1, int8_t *y,
+                                                         int64_t count) {
+    const __m512i offset = _mm512_set1_epi32(128 * 256 + 128);
+    int64_t k;
+    for (k = 0; k < count; k += 16) {
+        const __mmask16 m = count - k >= 16 ? (__mmask16)0xffff
+                                            : (__mmask16)((1u << (count - k)) - 1u);
+        const __m512i a = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, x0 + k));
+        const __m512i b = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, x1 + k));
+        const __m512i at = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(a, 8), b), offset);
+        const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, lut, 1);
+        _mm_mask_storeu_epi8(y + k, m, _mm512_cvtepi32_epi8(v));
+    }
+}
+
+/* A chain's float ops (count_ops of them from ops, each a MUL or ADD by a
+   constant per channel) on each element in turn, as mpt__q_by_channel
+   runs them one after the other: the same roundings. out may be x. */
+MPT__TARGET_AVX512 static void mpt__q_chain_float_avx512(const mpt__qop *ops, int count_ops,
+                                                         const float *x, float *out,
+                                                         int64_t count) {
+    const int64_t C = ops[0].info.n_constants;
+    int64_t k, c;
+    int f;
+    for (k = 0; k < count; k += C)
+        for (c = 0; c < C; c += 16) {
+            const __mmask16 m = C - c >= 16 ? (__mmask16)0xffff
+                                            : (__mmask16)((1u << (C - c)) - 1u);
+            __m512 v = _mm512_maskz_loadu_ps(m, x + k + c);
+            for (f = 0; f < count_ops; f++)
+                v = mpt__q_binary16_avx512(ops[f].info.op == MPT_QOP_ADD ? 0 : 2, v,
+                                           _mm512_maskz_loadu_ps(m, ops[f].channel + c),
+                                           ops[f].info.activation == MPT_ACT_RELU);
+            _mm512_mask_storeu_ps(out + k + c, m, v);
+        }
+}
+
+MPT__TARGET_AVX512 static void mpt__q_binary_float_avx512(int kind, const float *x0,
+                                                          const float *x1, float constant,
+                                                          const float *channel, int64_t C,
+                                                          int relu, float *out, int64_t count) {
+    int64_t k, c;
+    if (channel) {
+        for (k = 0; k < count; k += C)
+            for (c = 0; c < C; c += 16) {
+                const __mmask16 m = C - c >= 16 ? (__mmask16)0xffff
+                                                : (__mmask16)((1u << (C - c)) - 1u);
+                _mm512_mask_storeu_ps(out + k + c, m,
+                                      mpt__q_binary16_avx512(kind,
+                                                             _mm512_maskz_loadu_ps(m, x0 + k + c),
+                                                             _mm512_maskz_loadu_ps(m, channel + c),
+                                                             relu));
+            }
+        return;
+    }
+    for (k = 0; k < count; k += 16) {
+        const __mmask16 m = count - k >= 16 ? (__mmask16)0xffff
+                                            : (__mmask16)((1u << (count - k)) - 1u);
+        const __m512 b = kind == 3 ? _mm512_set1_ps(constant) : _mm512_maskz_loadu_ps(m, x1 + k);
+        _mm512_mask_storeu_ps(out + k, m,
+                              mpt__q_binary16_avx512(kind, _mm512_maskz_loadu_ps(m, x0 + k), b,
+                                                     relu));
+    }
+}
+MPT__AVX512_QUIET_END
+#endif
+
 /* MUL or ADD of `count` elements by op's constant per channel (the last
    axis: an unfolded BatchNormalization's scale or shift), float32 or
    int8 (through its table, mpt__q_channel_table): channels at a time, so
-   that the loops take no division. */
+   that the loops take no division. y may be a (a chained op's in place,
+   mpt__q_chains_after): each element is read before it is written. */
 static void mpt__q_by_channel(const mpt__qop *op, int integer, const void *a, void *y,
                               int64_t count) {
     const int64_t C = op->info.n_constants;
-    const int mul = op->info.op == MPT_QOP_MUL;
+    const int mul = op->info.op == MPT_QOP_MUL, relu = op->info.activation == MPT_ACT_RELU;
+    const float *MPT__RESTRICT channel = op->channel;
     int64_t k, c;
+    if (integer) { /* mpt__q_mul_int8's or mpt__q_add_int8's codes, looked up */
+        mpt__q_lookup_channels(op->channel_lut, C, (const int8_t *)a, (int8_t *)y, count);
+        return;
+    }
     for (k = 0; k < count; k += C) {
-        if (integer) { /* mpt__q_mul_int8's or mpt__q_add_int8's codes, looked up */
-            const int8_t *MPT__RESTRICT x = (const int8_t *)a + k;
-            const int8_t *MPT__RESTRICT lut = op->channel_lut;
-            int8_t *MPT__RESTRICT out = (int8_t *)y + k;
-            for (c = 0; c < C; c++) out[c] = lut[c * 256 + x[c] + 128];
-        } else {
-            const float *MPT__RESTRICT x = (const float *)a + k;
-            float *MPT__RESTRICT out = (float *)y + k;
-            if (mul)
-                for (c = 0; c < C; c++) out[c] = x[c] * op->channel[c];
-            else
-                for (c = 0; c < C; c++) out[c] = x[c] + op->channel[c];
-            if (op->info.activation == MPT_ACT_RELU)
-                for (c = 0; c < C; c++) out[c] = out[c] < 0 ? 0.0f : out[c];
-        }
+        const float *x = (const float *)a + k;
+        float *out = (float *)y + k;
+        if (mul)
+            for (c = 0; c < C; c++) out[c] = x[c] * channel[c];
+        else
+            for (c = 0; c < C; c++) out[c] = x[c] + channel[c];
+        if (relu)
+            for (c = 0; c < C; c++) out[c] = out[c] < 0 ? 0.0f : out[c];
     }
 }
 
@@ -33821,14 +34014,19 @@ static void mpt__q_binary(const mpt__qop *op, int integer, const void *a, const 
             for (k = 0; k < count; k++) out[k] = mpt__q_mul_int8(op, x0[k], x1 ? x1[k] : 127);
         else
             for (k = 0; k < count; k++) out[k] = mpt__q_add_int8(op, x0[k], x1[k]);
-    } else {
-        const float *x0 = (const float *)a, *x1 = (const float *)b;
-        float *out = (float *)y;
-        for (k = 0; k < count; k++)
-            out[k] = op->info.op == MPT_QOP_ADD   ? x0[k] + x1[k]
-                     : op->info.op == MPT_QOP_SUB ? x0[k] - x1[k]
-                     : x1                         ? x0[k] * x1[k]
-                                                  : x0[k] * op->info.constant;
+    } else { /* a loop per operation, which -O2 vectorizes (one with the
+                choice inside each element took 2 ns an element) */
+        const float *MPT__RESTRICT x0 = (const float *)a, *MPT__RESTRICT x1 = (const float *)b;
+        float *MPT__RESTRICT out = (float *)y;
+        const float constant = op->info.constant;
+        if (op->info.op == MPT_QOP_ADD)
+            for (k = 0; k < count; k++) out[k] = x0[k] + x1[k];
+        else if (op->info.op == MPT_QOP_SUB)
+            for (k = 0; k < count; k++) out[k] = x0[k] - x1[k];
+        else if (x1)
+            for (k = 0; k < count; k++) out[k] = x0[k] * x1[k];
+        else
+            for (k = 0; k < count; k++) out[k] = x0[k] * constant;
         if (op->info.activation == MPT_ACT_RELU)
             for (k = 0; k < count; k++) out[k] = out[k] < 0 ? 0.0f : out[k];
     }
@@ -33880,6 +34078,372 @@ static void mpt__q_pad(const mpt__qop *op, int integer, const void *x, void *y, 
 }
 
 /* =============================================================================
+   @impl-quantized-conv  the direct int8 Conv2D of several channels
+   =============================================================================
+
+   An int8 Conv2D of C > 1 channels took im2col and mpt_qgemm: im2col wrote
+   every input byte kh·kw times (a memcpy per pixel at the borders, per
+   kernel row inside), and the narrow products of 16 to 64 filters spent
+   less time multiplying than im2col and the tiles' round trips did (the
+   seed cnn's and ResNet-20's int8 predicts). With AVX-512 VNNI a Conv2D
+   reads its windows where they lie instead. Each task takes a sample's
+   output rows, copies the input rows they read into its thread's scratch
+   as u = int8 + 128 (the padding and what lies past the image: the zero
+   point's u, whose real value is 0, as im2col's padding), and for a block
+   of P output pixels × 16 or 32 filters sums each kernel row's kw·C bytes
+   (contiguous in NHWC) 4 at a time: one broadcast of a pixel's 4 bytes,
+   one vpdpbusd per 16 filters with the taps of mpt__q_direct_prepare
+   (bytes past kw·C meet zero taps). The block's sums stay in registers
+   until it is done, then are requantized (full integer) or dequantized
+   (dynamic range) 16 filters a vector and stored. The sums are exact
+   integers and the epilogues mpt_qgemm's and mpt__q_dequantize_rows_task's
+   steps, so the outputs are those of im2col and the product, bit for bit
+   (test_conv_from_windows). ResNet-20's full-integer predict of 128
+   images so took 34 ms of CPU on one thread, with what follows, from 82.
+
+   What it takes with it, where only it reads what they make (mpt__q_plan
+   marks them; test_forward_as_ops_one_by_one holds the result to the
+   operations one by one): a chain of per-channel MULs and ADDs before it
+   (full integer: each code through the chain's table as it is copied),
+   a 2×2 MaxPooling2D of stride 2 after it (each window's largest sums
+   requantized or dequantized: monotone steps), or a residual ADD or SUB
+   after it (full integer: each stored code through the ADD's pair table
+   with the other input's). */
+#define MPT__QCONV_PIX 12      /* output pixels a block of 32 filters (24 sums)     */
+#define MPT__QCONV_PIX_WIDE 24 /* ... of 16 filters, where there are only 16 (24) */
+
+typedef struct mpt__qconv_job {
+    const mpt__qop *op;
+    const mpt_context *ctx;
+    const int8_t *x;          /* (n, H, W, C) int8 codes                             */
+    const int8_t *table;      /* (C, 256): each code through its channel's table as it
+                                 is copied (an absorbed chain's chain_lut), or NULL  */
+    const float *scale;       /* dynamic range: (n) each sample's scale; NULL: integer */
+    void *y;                  /* (n, OH, OW, N) int8 or float32                      */
+    int fill;                 /* what the padding holds, as u                         */
+    int pix;                  /* output pixels a block                                */
+    int win;                  /* 2: a 2×2 MaxPooling2D of stride 2 runs with it (y its
+                                 output, a block's pixels window by window); else 1   */
+    int64_t orows, ocols;     /* the rows and columns of y's grid                     */
+    const int8_t *other;      /* full integer: the ADD's other input (y's shape) whose
+                                 pair_lut each requantized code goes through, or NULL */
+    const int8_t *pair;       /* that ADD's pair_lut                                  */
+    int side;                 /* which of the ADD's inputs the Conv2D's output is     */
+    int64_t rb;               /* bytes of a copied row: OW's windows and the last
+                                 window's 4-byte groups                               */
+    int64_t cols;             /* the padded columns the windows read whole            */
+    int64_t per_row;          /* 4-byte groups of a kernel row, ⌈kw·C / 4⌉           */
+    int64_t npad;             /* N rounded up to 16                                   */
+    int64_t parts, rows;      /* a sample's rows of y: `parts` tasks of `rows`        */
+} mpt__qconv_job;
+
+#if MPT__X86
+/* The block's pixels and sums: X(p) for p = 0 .. P − 1. */
+#define MPT__QC_P12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define MPT__QC_P24(X) \
+    MPT__QC_P12(X) X(12) X(13) X(14) X(15) X(16) X(17) X(18) X(19) X(20) X(21) X(22) X(23)
+#define MPT__QC_ZERO1(p) __m512i c##p##0 = z;
+#define MPT__QC_ZERO2(p) __m512i c##p##0 = z, c##p##1 = z;
+#define MPT__QC_TAPS1 const __m512i w0 = _mm512_loadu_si512(t);
+#define MPT__QC_TAPS2 \
+    const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
+#define MPT__QC_MAC1(p)                                                 \
+    {                                                                   \
+        const __m512i u = _mm512_set1_epi32(mpt__qgemm_group(px[p] + o)); \
+        c##p##0 = _mm512_dpbusd_epi32(c##p##0, u, w0);                  \
+    }
+#define MPT__QC_MAC2(p)                                                 \
+    {                                                                   \
+        const __m512i u = _mm512_set1_epi32(mpt__qgemm_group(px[p] + o)); \
+        c##p##0 = _mm512_dpbusd_epi32(c##p##0, u, w0);                  \
+        c##p##1 = _mm512_dpbusd_epi32(c##p##1, u, w1);                  \
+    }
+#define MPT__QC_STORE1(p) _mm512_storeu_si512(tile + 16 * (p), c##p##0);
+#define MPT__QC_STORE2(p)                          \
+    _mm512_storeu_si512(tile + 32 * (p), c##p##0); \
+    _mm512_storeu_si512(tile + 32 * (p) + 16, c##p##1);
+/* Sums of the pixels px[0 .. P − 1] (each its window's corner in the
+   copy, rows rb bytes apart) with nb·16 filters' taps from `taps` (a
+   group's filters gstride bytes on), into tile (P × 16·nb int32). */
+#define MPT__QCONV_KERNEL(name, PIXELS, NB)                                                    \
+    MPT__TARGET_AVX512_VNNI static void name(const uint8_t *const *px, const uint8_t *taps,   \
+                                             int64_t kh, int64_t per_row, int64_t rb,         \
+                                             int64_t gstride, int32_t *tile) {                \
+        const __m512i z = _mm512_setzero_si512();                                            \
+        int64_t i, q;                                                                         \
+        PIXELS(MPT__QC_ZERO##NB)                                                              \
+        for (i = 0; i < kh; i++)                                                              \
+            for (q = 0; q < per_row; q++) {                                                   \
+                const int64_t o = i * rb + 4 * q;                                             \
+                const uint8_t *t = taps + (i * per_row + q) * gstride;                        \
+                MPT__QC_TAPS##NB                                                              \
+                PIXELS(MPT__QC_MAC##NB)                                                       \
+            }                                                                                 \
+        PIXELS(MPT__QC_STORE##NB)                                                             \
+    }
+MPT__QCONV_KERNEL(mpt__qconv_kernel_12x32, MPT__QC_P12, 2)
+MPT__QCONV_KERNEL(mpt__qconv_kernel_12x16, MPT__QC_P12, 1)
+MPT__QCONV_KERNEL(mpt__qconv_kernel_24x16, MPT__QC_P24, 1)
+#undef MPT__QCONV_KERNEL
+#undef MPT__QC_P12
+#undef MPT__QC_P24
+#undef MPT__QC_ZERO1
+#undef MPT__QC_ZERO2
+#undef MPT__QC_TAPS1
+#undef MPT__QC_TAPS2
+#undef MPT__QC_MAC1
+#undef MPT__QC_MAC2
+#undef MPT__QC_STORE1
+#undef MPT__QC_STORE2
+
+/* The block's sums (tile: rows of 16·nb int32) for filters [c0, c0 +
+   16·nb), plus the constant term, stored at out (an output's N values a
+   row): `valid` outputs, each the maximum of `group` rows (4: a 2×2
+   pooling window's pixels; requantizing and dequantizing are monotone, so
+   the maximum of the outputs is the output of the maximum, as
+   mpt__q_direct_conv's pooling), requantized as mpt_qgemm's plain
+   epilogue (mpt__requant16_avx512), then with `other` (the residual ADD
+   after it: its other input, as out is laid out) the ADD's code for the
+   pair from its pair_lut; or, with scale s (dynamic range), dequantized
+   as mpt__q_direct_store_row_float. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512i mpt__qconv_sums(const int32_t *tile, int nb,
+                                                                    int v, int p, int group,
+                                                                    __m512i col) {
+    const __mmask16 all = 0xffff; /* maskz forms: see mpt__qgemm_high_mul_even_avx512 */
+    const int32_t *at = tile + (int64_t)p * group * 16 * nb + 16 * v;
+    __m512i x = _mm512_loadu_si512(at);
+    int q;
+    for (q = 1; q < group; q++)
+        x = _mm512_maskz_max_epi32(all, x, _mm512_loadu_si512(at + q * 16 * nb));
+    return _mm512_add_epi32(x, col);
+}
+
+MPT__TARGET_AVX512 static void mpt__qconv_store(const mpt__qconv_job *j, const int32_t *tile,
+                                               int nb, int valid, int64_t c0, float s,
+                                               void *out, const int8_t *other) {
+    const int group = j->win * j->win;
+    const mpt__qop *op = j->op;
+    const int64_t N = op->info.out_channels;
+    const __mmask16 all = 0xffff;
+    int v, p;
+    for (v = 0; v < nb && c0 + 16 * v < N; v++) {
+        const int64_t c = c0 + 16 * v;
+        const __mmask16 k = (__mmask16)((1u << MPT__MIN(16, N - c)) - 1u);
+        const __m512i col = _mm512_loadu_si512(op->direct_col + c);
+        if (j->scale) {
+            const __m512 lowest =
+                _mm512_set1_ps(op->info.activation == MPT_ACT_RELU ? 0.0f : -INFINITY);
+            const __m512 sw = _mm512_maskz_mul_round_ps(
+                all, _mm512_set1_ps(s), _mm512_maskz_loadu_ps(k, op->wscale + c),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512 bias = _mm512_maskz_loadu_ps(k, op->bias + c);
+            for (p = 0; p < valid; p++) {
+                const __m512i x = mpt__qconv_sums(tile, nb, v, p, group, col);
+                const __m512 r = _mm512_maskz_add_round_ps(
+                    all,
+                    _mm512_maskz_mul_round_ps(all, _mm512_maskz_cvtepi32_ps(all, x), sw,
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                    bias, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                _mm512_mask_storeu_ps((float *)out + p * N + c, k,
+                                      _mm512_maskz_max_ps(all, lowest, r));
+            }
+        } else {
+            const int zp = op->info.output.zero_point;
+            const int lo = op->info.activation == MPT_ACT_RELU ? zp : -128;
+            const __m512i qlo = _mm512_set1_epi32(lo - zp), qhi = _mm512_set1_epi32(127 - zp);
+            const __m512i vzp = _mm512_set1_epi32(zp);
+            const __m512i m = _mm512_maskz_loadu_epi32(k, op->mult + c);
+            const __m512i right = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                   _mm512_maskz_loadu_epi32(k, op->shift + c));
+            for (p = 0; p < valid; p++) {
+                const __m512i x = mpt__qconv_sums(tile, nb, v, p, group, col);
+                __m512i q = mpt__requant16_avx512(x, m, right, qlo, qhi, vzp);
+                if (other) { /* the ADD's code for the pair, a gather of table words */
+                    const __m512i o =
+                        _mm512_maskz_cvtepi8_epi32(all, _mm_maskz_loadu_epi8(k, other + p * N + c));
+                    const __m512i hi = j->side ? o : q, lo = j->side ? q : o;
+                    const __m512i at = _mm512_add_epi32(
+                        _mm512_add_epi32(_mm512_maskz_slli_epi32(all, hi, 8), lo),
+                        _mm512_set1_epi32(128 * 256 + 128));
+                    q = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, at, j->pair, 1);
+                }
+                mpt__store16_int8_avx512((int8_t *)out + p * N + c, k, q);
+            }
+        }
+    }
+}
+
+/* n bytes from src to dst as u = int8 + 128 (each byte's top bit
+   flipped), eight at a time (-O2 does not vectorize the byte loop). */
+static void mpt__qconv_flip_copy(uint8_t *dst, const int8_t *src, int64_t n) {
+    const uint64_t flip = 0x8080808080808080ull;
+    int64_t c;
+    uint64_t v;
+    for (c = 0; c + 8 <= n; c += 8) {
+        memcpy(&v, src + c, 8);
+        v ^= flip;
+        memcpy(dst + c, &v, 8);
+    }
+    for (; c < n; c++) dst[c] = (uint8_t)(src[c] ^ 0x80);
+}
+
+/* `pixels` pixels of C codes from src to dst as mpt__qconv_flip_copy
+   copies them, each code first through its channel's table (C, 256). */
+static void mpt__qconv_table_copy(uint8_t *dst, const int8_t *src, int64_t pixels, int64_t C,
+                                  const int8_t *table) {
+    int64_t p, c;
+    for (p = 0; p < pixels; p++, src += C, dst += C)
+        for (c = 0; c < C; c++) dst[c] = (uint8_t)(table[c * 256 + src[c] + 128] ^ 0x80);
+}
+#endif
+
+/* Task t: output rows [oy0, oy1) of sample t / parts, from the copy of
+   the padded rows they read (row oy0·sh of the padded sample first). */
+static void mpt__qconv_task(void *arg, int64_t t, int thread) {
+#if MPT__X86
+    const mpt__qconv_job *j = (const mpt__qconv_job *)arg;
+    const mpt__qop *op = j->op;
+    const mpt__win *g = &op->g;
+    const int64_t b = t / j->parts, py0 = (t % j->parts) * j->rows, win = j->win;
+    const int64_t py1 = MPT__MIN(j->orows, py0 + j->rows), C = g->c, N = op->info.out_channels;
+    const int64_t oy0 = py0 * win, first = oy0 * g->sh; /* the Conv2D's rows from oy0 */
+    const int64_t copied = (py1 * win - 1 - oy0) * g->sh + g->kh;
+    const int64_t pixels = (py1 - py0) * j->ocols * win * win, gstride = 4 * j->npad;
+    const size_t es = j->scale ? 4 : 1;
+    const int8_t *x = j->x + b * g->h * g->w * C;
+    unsigned char *y = (unsigned char *)j->y + (size_t)((b * j->orows + py0) * j->ocols * N) * es;
+    uint8_t *copy = (uint8_t *)mpt__thread_scratch(j->ctx, thread);
+    const uint8_t *px[MPT__QCONV_PIX_WIDE];
+    int32_t tile[MPT__QCONV_PIX_WIDE * 16]; /* = MPT__QCONV_PIX × 32 */
+    const float s = j->scale ? j->scale[b] : 0.0f;
+    const int64_t c_lo = MPT__MAX(0, g->left), c_hi = MPT__MIN(g->w + g->left, j->cols);
+    int64_t r, p0, p, c0;
+    for (r = 0; r < copied; r++) {
+        const int64_t in_row = first + r - g->top;
+        uint8_t *dst = copy + r * j->rb;
+        if (in_row < 0 || in_row >= g->h || c_hi <= c_lo) {
+            memset(dst, j->fill, (size_t)j->rb);
+            continue;
+        }
+        memset(dst, j->fill, (size_t)(c_lo * C));
+        if (j->table)
+            mpt__qconv_table_copy(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
+                                  c_hi - c_lo, C, j->table);
+        else
+            mpt__qconv_flip_copy(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
+                                 (c_hi - c_lo) * C);
+        memset(dst + c_hi * C, j->fill, (size_t)(j->rb - c_hi * C));
+    }
+    for (p0 = 0; p0 < pixels; p0 += j->pix) {
+        const int valid = (int)MPT__MIN(j->pix, pixels - p0);
+        for (p = 0; p < j->pix; p++) { /* a short block repeats its last pixel */
+            const int64_t at = p0 + MPT__MIN(p, valid - 1);
+            int64_t row = at / g->ow, col = at % g->ow;
+            if (win > 1) { /* window at / 4's pixel at % 4 */
+                const int64_t w4 = at / 4, q = at % 4;
+                row = w4 / j->ocols * 2 + q / 2, col = w4 % j->ocols * 2 + q % 2;
+            }
+            px[p] = copy + row * g->sh * j->rb + col * g->sw * C;
+        }
+        for (c0 = 0; c0 < j->npad; c0 += 32) {
+            const uint8_t *taps = op->direct_w + c0 * 4;
+            int nb = 2;
+            if (j->pix == MPT__QCONV_PIX_WIDE) {
+                mpt__qconv_kernel_24x16(px, taps, g->kh, j->per_row, j->rb, gstride, tile);
+                nb = 1;
+            } else if (j->npad - c0 < 32) {
+                mpt__qconv_kernel_12x16(px, taps, g->kh, j->per_row, j->rb, gstride, tile);
+                nb = 1;
+            } else {
+                mpt__qconv_kernel_12x32(px, taps, g->kh, j->per_row, j->rb, gstride, tile);
+            }
+            mpt__qconv_store(j, tile, nb, valid / (int)(win * win), c0, s,
+                             y + (size_t)(p0 / (win * win) * N) * es,
+                             j->other ? j->other + (y - (unsigned char *)j->y) +
+                                            p0 / (win * win) * N
+                                      : NULL);
+        }
+    }
+#else
+    (void)arg, (void)t, (void)thread;
+#endif
+}
+
+/* The MaxPooling2D op i + 1 that Conv2D op i may run with
+   (mpt__qconv_run): only it reads the Conv2D's output (fuse_pool), its
+   windows 2×2 of stride 2 within the image, and two rows of windows fit
+   the thread's scratch; or NULL. */
+static const mpt__qop *mpt__qconv_pool(const mpt__quantized *Q, int i) {
+    const mpt__qop *op = &Q->ops[i], *pool = i + 1 < Q->n_ops ? &Q->ops[i + 1] : NULL;
+    const mpt__win *g = &op->g;
+    const int64_t rb = (g->ow - 1) * g->sw * g->c + 4 * ((g->kw * g->c + 3) / 4);
+    if (!op->fuse_pool || !pool || pool->info.op != MPT_QOP_MAX_POOL_2D || pool->g.kh != 2 ||
+        pool->g.kw != 2 || pool->g.sh != 2 || pool->g.sw != 2 || pool->g.top || pool->g.left ||
+        pool->g.oh < 1 || pool->g.ow < 1 || 2 * pool->g.oh > g->oh || 2 * pool->g.ow > g->ow ||
+        (double)rb * (double)(g->sh + g->kh) > (double)MPT__THREAD_SCRATCH_BYTES)
+        return NULL;
+    return pool;
+}
+
+/* Whether Conv2D op (C > 1) of the integer or dynamic pass runs from its
+   windows (mpt__qconv_run): mpt__q_direct_prepare made its taps, and a
+   row of windows fits the thread's scratch. */
+static int mpt__qconv_takes(const mpt_context *ctx, const mpt__qop *op, mpt__qexec ex) {
+    const mpt__win *g = &op->g;
+    const int64_t rb = (g->ow - 1) * g->sw * g->c + 4 * ((g->kw * g->c + 3) / 4);
+    return op->direct_w && g->c >= 2 && (ctx->cpu & MPT_CPU_AVX512_VNNI) && g->oh >= 1 &&
+           g->ow >= 1 && (ex == MPT__QX_INTEGER || ex == MPT__QX_DYNAMIC) &&
+           (double)rb * (double)g->kh <= (double)MPT__THREAD_SCRATCH_BYTES;
+}
+
+/* Runs Conv2D op (C > 1) of the integer or dynamic pass from its windows
+   where mpt__qconv_takes it, each code through `table` first when one is
+   given (an absorbed chain's), and with the MaxPooling2D `pool` or the
+   ADD `add` after it (reading `other`) when one is given, y then their
+   output; returns whether it ran. Dynamic range
+   quantizes each sample first, as mpt__q_conv does, and leaves a batch
+   with a sample whose scale is not finite to it. Tasks: each sample's
+   rows in parts enough for 4 per thread, at least 2 blocks of pixels
+   each. */
+static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *pool,
+                          const mpt__qop *add, const int8_t *other, mpt__qexec ex,
+                          const void *x, const int8_t *table, void *y, int64_t n,
+                          mpt__qwork *w) {
+    const mpt__win *g = &op->g;
+    mpt__qconv_job j;
+    int64_t r, fit, want;
+    if (!mpt__qconv_takes(ctx, op, ex)) return 0;
+    memset(&j, 0, sizeof j);
+    j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y, j.table = table;
+    j.per_row = (g->kw * g->c + 3) / 4;
+    j.rb = (g->ow - 1) * g->sw * g->c + 4 * j.per_row;
+    if (pool && (((int64_t)MPT__THREAD_SCRATCH_BYTES / j.rb - g->kh) / g->sh + 1) / 2 < 1)
+        return 0; /* a window's rows do not fit (mpt__qconv_pool) */
+    j.win = pool ? 2 : 1;
+    if (add) j.other = other, j.pair = add->pair_lut, j.side = op->fuse_add - 1;
+    j.orows = pool ? pool->g.oh : g->oh, j.ocols = pool ? pool->g.ow : g->ow;
+    j.fill = ex == MPT__QX_INTEGER ? op->info.input.zero_point + 128 : 128;
+    j.npad = (op->info.out_channels + 15) / 16 * 16;
+    j.pix = j.npad == 16 ? MPT__QCONV_PIX_WIDE : MPT__QCONV_PIX;
+    j.cols = (g->ow - 1) * g->sw + g->kw;
+    /* rows of y a task's copy holds: (rows·win − 1)·sh + kh rows of rb bytes */
+    fit = (((int64_t)MPT__THREAD_SCRATCH_BYTES / j.rb - g->kh) / g->sh + 1) / j.win;
+    want = MPT__MIN(j.orows, (4 * (int64_t)ctx->num_threads + n - 1) / n);
+    want = MPT__MAX(1, MPT__MIN(want, j.orows * j.ocols * j.win * j.win / (2 * j.pix)));
+    j.rows = MPT__MIN(fit, (j.orows + want - 1) / want);
+    j.parts = (j.orows + j.rows - 1) / j.rows;
+    if (ex == MPT__QX_DYNAMIC) {
+        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
+                                       w->sample_scale);
+        for (r = 0; r < n; r++)
+            if (!(w->sample_scale[r] < INFINITY)) return 0;
+        j.x = w->xq, j.scale = w->sample_scale;
+    }
+    mpt__parallel_for(ctx, n * j.parts, mpt__qconv_task, &j);
+    return 1;
+}
+
+/* =============================================================================
    @impl-quantized-direct: the direct int8 Conv2D, the int8 softmax, and a batch through the operations
    ============================================================================= */
 
@@ -33914,19 +34478,23 @@ typedef struct mpt__qdirect_job {
     int32_t off[MPT__QD_MAX_GROUPS]; /* each group's first byte from the window's corner */
 } mpt__qdirect_job;
 
-/* A one-channel Conv2D's taps as the direct pass reads them, and its
-   constant term (integer: full integer, with bq and the zero points; else
-   dynamic range); left NULL (the im2col path) where it does not apply: no
-   AVX-512 VNNI, another channel count, a kernel of more than
+/* A Conv2D's taps as the direct passes read them (a one-channel one's
+   from the image, mpt__q_direct_conv; several channels' from their
+   windows, mpt__qconv_run): group (i, q) holds bytes 4q .. 4q + 3 of
+   kernel row i (kw·C taps, zeros past them) for each of npad filters;
+   and its constant term (integer: full integer, with bq and the zero
+   points; else dynamic range). Left NULL (the im2col path) where it does
+   not apply: no AVX-512 VNNI, one channel with a kernel of more than
    MPT__QD_MAX_GROUPS groups, or a requantization that is not plain. */
 static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op, int integer) {
     const mpt__win *g = &op->g;
     const int64_t N = op->info.out_channels, K = op->info.depth, npad = (N + 15) / 16 * 16;
-    const int64_t per_row = (g->kw + 3) / 4, groups = g->kh * per_row;
+    const int64_t row = g->kw * g->c, per_row = (row + 3) / 4, groups = g->kh * per_row;
     const int64_t zu = integer ? (int64_t)op->info.input.zero_point + 128 : 128;
     int64_t f, i, j;
-    if (!MPT__X86 || op->info.op != MPT_QOP_CONV_2D || g->c != 1 || groups > MPT__QD_MAX_GROUPS ||
-        !(ctx->cpu & MPT_CPU_AVX512) || !(ctx->cpu & MPT_CPU_AVX512_VNNI) ||
+    if (!MPT__X86 || op->info.op != MPT_QOP_CONV_2D ||
+        (g->c == 1 && groups > MPT__QD_MAX_GROUPS) || !(ctx->cpu & MPT_CPU_AVX512) ||
+        !(ctx->cpu & MPT_CPU_AVX512_VNNI) ||
         (integer && !mpt__requant_is_plain(K, N, op->shift, N, op->bq)))
         return MPT_OK;
     op->direct_w = (uint8_t *)mpt__calloc(ctx, (size_t)(groups * npad * 4 + npad * 4));
@@ -33937,8 +34505,8 @@ static mpt_status mpt__q_direct_prepare(mpt_context *ctx, mpt__qop *op, int inte
     for (f = 0; f < N; f++) {
         int64_t sum = 0;
         for (i = 0; i < g->kh; i++)
-            for (j = 0; j < g->kw; j++) {
-                const int8_t w = op->wq[f * K + i * g->kw + j];
+            for (j = 0; j < row; j++) {
+                const int8_t w = op->wq[f * K + i * row + j];
                 op->direct_w[((i * per_row + j / 4) * npad + f) * 4 + j % 4] = (uint8_t)w;
                 sum += w;
             }
@@ -34146,8 +34714,8 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     mpt__qdirect_job j;
     int64_t r, q, need;
     *ran_pool = 0;
-    if (!op->direct_w || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 || g->ow < 1 ||
-        (ex != MPT__QX_INTEGER && ex != MPT__QX_DYNAMIC))
+    if (!op->direct_w || g->c != 1 || !(ctx->cpu & MPT_CPU_AVX512_VNNI) || g->oh < 1 ||
+        g->ow < 1 || (ex != MPT__QX_INTEGER && ex != MPT__QX_DYNAMIC))
         return 0;
     memset(&j, 0, sizeof j);
     j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y;
@@ -34323,9 +34891,87 @@ static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, cons
     return r == 0 ? (void *)(uintptr_t)x : w->act[Q->slot[r]];
 }
 
-/* Operation i of a graph that reads several tensors, or pads. */
-static void mpt__q_run_graph_op(const mpt__quantized *Q, int i, mpt__qexec ex, const void *x,
-                                void *y, int64_t n, const mpt__qwork *w) {
+/* ADD, SUB or MUL (or a chain's table) over the context's threads, a run
+   of elements a task (whole rows of channels), each element computed
+   alone: any thread count gives the same. */
+typedef struct mpt__qbinary_job {
+    const mpt__qop *op;
+    const int8_t *chain;     /* full integer: a chain's table (chain_lut), or NULL */
+    int chained;             /* float: the ops after op run with it (op->chained), or 0 */
+    int integer;
+    int avx512;              /* the context has AVX-512 (the float operations) */
+    size_t es;               /* bytes of an element: 4, or 1 in int8 */
+    const unsigned char *a, *b; /* b NULL: by a constant */
+    unsigned char *y;
+    int64_t count, run;      /* elements; elements a task */
+} mpt__qbinary_job;
+
+static void mpt__q_binary_task(void *arg, int64_t task, int thread) {
+    const mpt__qbinary_job *j = (const mpt__qbinary_job *)arg;
+    const int64_t k = task * j->run, n = MPT__MIN(j->run, j->count - k);
+    const size_t at = (size_t)k * j->es;
+    (void)thread;
+    if (j->chained) { /* float: each element through the chain's ops in turn */
+        int f;
+#if MPT__X86
+        if (j->avx512) {
+            mpt__q_chain_float_avx512(j->op, 1 + j->chained, (const float *)(j->a + at),
+                                      (float *)(j->y + at), n);
+            return;
+        }
+#endif
+        for (f = 0; f <= j->chained; f++)
+            mpt__q_by_channel(j->op + f, 0, f ? j->y + at : j->a + at, j->y + at, n);
+        return;
+    }
+#if MPT__X86
+    if (j->integer && j->avx512 && j->b && j->op->pair_lut) {
+        mpt__q_pair_lookup_avx512(j->op->pair_lut, (const int8_t *)(j->a + at),
+                                  (const int8_t *)(j->b + at), (int8_t *)(j->y + at), n);
+        return;
+    }
+    if (!j->integer && j->avx512) {
+        const mpt__qop *op = j->op;
+        const int kind = op->info.op == MPT_QOP_ADD   ? 0
+                         : op->info.op == MPT_QOP_SUB ? 1
+                         : j->b || op->info.n_constants ? 2
+                                                        : 3;
+        mpt__q_binary_float_avx512(kind, (const float *)(j->a + at),
+                                   j->b ? (const float *)(j->b + at) : NULL, op->info.constant,
+                                   !j->b && op->info.n_constants ? op->channel : NULL,
+                                   op->info.n_constants, op->info.activation == MPT_ACT_RELU,
+                                   (float *)(j->y + at), n);
+        return;
+    }
+#endif
+    if (j->chain)
+        mpt__q_lookup_channels(j->chain, j->op->info.n_constants, (const int8_t *)(j->a + at),
+                               (int8_t *)(j->y + at), n);
+    else
+        mpt__q_binary(j->op, j->integer, j->a + at, j->b ? j->b + at : NULL, j->y + at, n);
+}
+
+static void mpt__q_binary_parallel(mpt_context *ctx, const mpt__qop *op, const int8_t *chain,
+                                   int chained, int integer, const void *a, const void *b,
+                                   void *y, int64_t count) {
+    const int64_t row = MPT__MAX(1, op->info.n_constants); /* channels start each run */
+    const int64_t want = (count + 4 * (int64_t)ctx->num_threads - 1) / (4 * ctx->num_threads);
+    mpt__qbinary_job j;
+    j.op = op, j.chain = chain, j.chained = chained, j.integer = integer, j.es = integer ? 1 : 4;
+    j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
+    j.a = (const unsigned char *)a, j.b = (const unsigned char *)b, j.y = (unsigned char *)y;
+    j.count = count;
+    j.run = (MPT__MAX(want, (int64_t)1 << 14) + row - 1) / row * row;
+    mpt__parallel_for(ctx, (count + j.run - 1) / j.run, mpt__q_binary_task, &j);
+}
+
+/* Operation i of a graph that reads several tensors, or pads; or a MUL or
+   ADD by a constant per channel, with the ops chained to it (full
+   integer: as one table; float16 and dynamic range: each element through
+   them in turn, one pass) except in the reference pass, which calibration
+   observes op by op. */
+static void mpt__q_run_graph_op(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
+                                const void *x, void *y, int64_t n, const mpt__qwork *w) {
     const mpt__qop *op = &Q->ops[i];
     const int integer = ex == MPT__QX_INTEGER;
     const void *xs[MPT_MAX_MERGE_INPUTS];
@@ -34333,8 +34979,11 @@ static void mpt__q_run_graph_op(const mpt__quantized *Q, int i, mpt__qexec ex, c
     for (k = 0; k < op->info.n_inputs; k++) xs[k] = mpt__q_tensor_at(Q, w, x, op->in_t[k]);
     if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, integer, xs[0], y, n);
     else if (op->info.op == MPT_QOP_CONCATENATION) mpt__q_concat(op, integer, xs, y, n);
-    else mpt__q_binary(op, integer, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, y,
-                       n * op->out_count);
+    else mpt__q_binary_parallel(ctx, op, integer && op->chained > 0 ? op->chain_lut : NULL,
+                                !integer && ex != MPT__QX_REFERENCE ? MPT__MAX(0, op->chained)
+                                                                    : 0,
+                                integer, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL, y,
+                                n * op->out_count);
 }
 
 /* MultiHeadAttention's scaled dot product on n samples: its three inputs
@@ -34368,6 +35017,34 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         const mpt__qop *op = &Q->ops[i];
         const void *in = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
         void *y = mpt__q_tensor_at(Q, w, x, i + 1);
+        pooled = 0;
+        if (ex == MPT__QX_INTEGER && op->absorbed_by &&
+            mpt__qconv_takes(ctx, &Q->ops[op->absorbed_by - 1], ex)) {
+            i += op->chained; /* the Conv2D after it looks the chain's table up */
+            continue;
+        }
+        if (op->info.op == MPT_QOP_CONV_2D && mpt__qconv_takes(ctx, op, ex)) {
+            /* from its windows: the chain it absorbs looked up as it copies
+               them, the MaxPooling2D after it taken with it */
+            const mpt__qop *head = ex == MPT__QX_INTEGER && op->absorbs
+                                       ? &Q->ops[op->absorbs - 1] : NULL;
+            const mpt__qop *pool = mpt__qconv_pool(Q, i);
+            const mpt__qop *add = ex == MPT__QX_INTEGER && op->fuse_add && Q->ops[i + 1].pair_lut
+                                      ? &Q->ops[i + 1] : NULL;
+            if (mpt__qconv_run(ctx, op, pool, add,
+                               add ? (const int8_t *)mpt__q_tensor_at(
+                                         Q, w, x, add->in_t[2 - op->fuse_add])
+                                   : NULL,
+                               ex, head ? mpt__q_tensor_at(Q, w, x, head->in_t[0]) : in,
+                               head ? head->chain_lut : NULL,
+                               pool || add ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w)) {
+                i += pool || add; /* ran with it */
+                continue;
+            }
+            if (head) /* it runs unless a dynamic sample's scale is not finite */
+                return mpt__fail(ctx, MPT_ERR_STATE, "quantized model: '%s' did not run from "
+                                 "its windows", op->name);
+        }
         if (mpt__q_direct_conv(ctx, Q, i, ex, in,
                                op->fuse_pool ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w,
                                &pooled)) {
@@ -34376,7 +35053,10 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         }
         if (op->info.op == MPT_QOP_RESHAPE) { /* the same bytes */
         } else if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
-            mpt__q_run_graph_op(Q, i, ex, x, y, n, w);
+            mpt__q_run_graph_op(ctx, Q, i, ex, x, y, n, w);
+            /* the chained ops' outputs are written (their bytes are this
+               op's, mpt__q_plan), but in the reference pass */
+            if (ex != MPT__QX_REFERENCE && op->chained > 0) i += op->chained;
         } else if (op->info.op == MPT_QOP_ATTENTION) {
             mpt__q_attention(ctx, Q, i, x, y, n, w);
         } else {
@@ -34745,6 +35425,25 @@ static mpt_status mpt__q_channel_table(mpt_context *ctx, mpt__qop *op) {
     return MPT_OK;
 }
 
+/* Chain head i's table (mpt__q_chains_after): for each channel and input
+   code, the code its channel_lut gives, through each chained op's
+   channel_lut in turn; the seed cnn's BatchNormalizations after its ReLUs
+   are a MUL then an ADD, two lookups an element where this is one. */
+static mpt_status mpt__q_chain_table(mpt_context *ctx, mpt__quantized *Q, int i) {
+    mpt__qop *op = &Q->ops[i];
+    const int64_t C = op->info.n_constants;
+    int64_t e, f;
+    mpt__free(ctx, op->chain_lut);
+    op->chain_lut = (int8_t *)mpt__alloc(ctx, (size_t)(256 * C));
+    if (!op->chain_lut)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
+    memcpy(op->chain_lut, op->channel_lut, (size_t)(256 * C));
+    for (f = i + 1; f <= i + op->chained; f++)
+        for (e = 0; e < 256 * C; e++)
+            op->chain_lut[e] = Q->ops[f].channel_lut[e / 256 * 256 + op->chain_lut[e] + 128];
+    return MPT_OK;
+}
+
 /* A two-input ADD, SUB or MUL as a table: its int8 output for every pair
    of input codes, from mpt__q_add_int8 or mpt__q_mul_int8, so that a batch
    looks each element up: ResNet-20's residual ADDs, each element rescaled
@@ -34752,7 +35451,7 @@ static mpt_status mpt__q_channel_table(mpt_context *ctx, mpt__qop *op) {
 static mpt_status mpt__q_pair_table(mpt_context *ctx, mpt__qop *op) {
     int a, b;
     mpt__free(ctx, op->pair_lut);
-    op->pair_lut = (int8_t *)mpt__alloc(ctx, 256 * 256);
+    op->pair_lut = (int8_t *)mpt__calloc(ctx, 256 * 256 + 4); /* + 4: a gather's last word */
     if (!op->pair_lut)
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory for '%s'", op->name);
     for (a = -128; a < 128; a++)
@@ -34857,6 +35556,8 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
         if (op->info.op == MPT_QOP_CONV_2D) MPT__CHECK(mpt__q_direct_prepare(ctx, op, 1));
         if (op->info.op == MPT_QOP_ACTIVATION) mpt__q_integer_activation(op);
     }
+    for (i = 0; i < Q->n_ops; i++)
+        if (Q->ops[i].chained > 0) MPT__CHECK(mpt__q_chain_table(ctx, Q, i));
     return MPT_OK;
 }
 

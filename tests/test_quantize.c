@@ -833,6 +833,18 @@ static void test_scale_shift_scalar_reference(void) {
                       mean && var,
                   "op %d (%s): not a MUL then ADD of a BatchNormalization's", i, mul->name);
             if (!gamma || !beta || !mean || !var || add->info.op != MPT_QOP_ADD) continue;
+            /* the pair as predict runs it: one table, the two ops' codes composed */
+            CHECK(mul->chained == 1 && add->chained == -1 && mul->chain_lut,
+                  "op %d (%s): the MUL and ADD are not chained", i, mul->name);
+            for (k = -128; mul->chain_lut && k < 128; k++) {
+                int8_t x[64], y[64], z[64];
+                int64_t c;
+                for (c = 0; c < C; c++) x[c] = (int8_t)k;
+                mpt__q_binary(mul, 1, x, NULL, y, C);
+                mpt__q_binary(add, 1, y, NULL, z, C);
+                mpt__q_lookup_channels(mul->chain_lut, C, x, y, C);
+                for (c = 0; c < C; c++) off += y[c] != z[c];
+            }
             for (k = 0; k < 2; k++) {
                 const mpt__qop *op = k ? add : mul;
                 const mpt_quant_params *pa = &Q->tensor[op->in_t[0]], *o = &op->info.output;
@@ -2994,6 +3006,233 @@ static void test_one_channel_conv_from_the_image(void) {
             }
 }
 
+/* A Conv2D of several channels in a full-integer or dynamic-range model
+   runs from its windows with AVX-512 VNNI (mpt__qconv_run): its int8 codes
+   (full integer) and float outputs (dynamic range) against the same model
+   with VNNI disabled, which takes im2col and the product (held to the
+   scalar reference in test_small_conv_scalar_reference), for shapes that
+   reach the path's corners: 16 filters (blocks of 24 pixels), 32 and a
+   multiple (12 × 32), 40 and 10 (a last block of 16, masked lanes), rows
+   of kw·C bytes not a multiple of 4 (3 channels), strides, 1×1, 'same'
+   padding on every side, an image too small for a block, a 2×2
+   MaxPooling2D after it ('valid': run with it, the maximum of each
+   window's sums requantized or dequantized, a row and a column of the
+   Conv2D's left out; 'same' on odd sizes: on its own), a ReLU and none;
+   the whole batch and one sample alone (a sample's rows split over
+   tasks), on 1 and 2 threads. */
+static void test_conv_from_windows(void) {
+    static const struct {
+        int64_t h, w, c, filters, kh, kw, sh, sw;
+        mpt_padding pad;
+        int relu, pool; /* pool 1: MaxPooling2D 'valid', 2: 'same' */
+    } cases[] = {
+        {12, 12, 16, 16, 3, 3, 1, 1, MPT_PADDING_SAME, 1, 0},
+        {13, 11, 32, 32, 3, 3, 1, 1, MPT_PADDING_VALID, 1, 1},
+        {12, 14, 16, 16, 3, 3, 1, 1, MPT_PADDING_SAME, 0, 1},
+        {10, 10, 16, 40, 3, 3, 1, 1, MPT_PADDING_VALID, 1, 1},
+        {14, 14, 16, 32, 3, 3, 2, 2, MPT_PADDING_SAME, 0, 0},
+        {14, 13, 16, 32, 1, 1, 2, 2, MPT_PADDING_VALID, 0, 0},
+        {9, 10, 3, 40, 5, 3, 1, 2, MPT_PADDING_SAME, 1, 0},
+        {7, 7, 64, 64, 3, 3, 1, 1, MPT_PADDING_SAME, 1, 0},
+        {6, 5, 8, 10, 2, 4, 1, 1, MPT_PADDING_SAME, 0, 2},
+        {3, 2, 24, 48, 3, 3, 1, 1, MPT_PADDING_SAME, 1, 0},
+    };
+    enum { N = 9 };
+    int ci, threads, dynamic;
+    for (ci = 0; ci < (int)(sizeof cases / sizeof cases[0]); ci++)
+        for (threads = 1; threads <= 2; threads++)
+            for (dynamic = 0; dynamic <= 1; dynamic++) {
+                unsigned char *codes[2][2] = {{NULL, NULL}, {NULL, NULL}};
+                int64_t count[2] = {0, 0}, k, diff = 0, one;
+                const int64_t in_count = cases[ci].h * cases[ci].w * cases[ci].c;
+                int variant, alone, direct[2] = {0, 0};
+                for (variant = 0; variant < 2; variant++) { /* 0: all the CPU has; 1: no VNNI */
+                    mpt_context *ctx = NULL;
+                    mpt_context_desc cd;
+                    mpt_model *m = NULL, *q = NULL;
+                    mpt_dataset *d = NULL;
+                    mpt_tensor tx, ty;
+                    float *xs;
+                    int32_t ys[N] = {0};
+                    int64_t shape[4] = {N, cases[ci].h, cases[ci].w, cases[ci].c}, yshape[1] = {N};
+                    memset(&cd, 0, sizeof cd);
+                    cd.num_threads = threads;
+                    cd.disable_cpu_features = variant ? MPT_CPU_AVX512_VNNI : 0;
+                    CHECK(mpt_context_create(&cd, &ctx) == MPT_OK, "context");
+                    xs = (float *)malloc(sizeof(float) * (size_t)(N * in_count));
+                    test_seed(190 + ci);
+                    for (k = 0; k < N * in_count; k++) xs[k] = (float)test_uniform(-0.6, 1.0);
+                    mpt_model_create(ctx, &(mpt_model_desc){
+                        .input_shape = {cases[ci].h, cases[ci].w, cases[ci].c}, .input_rank = 3,
+                        .seed = 5}, &m);
+                    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){
+                        .filters = cases[ci].filters, .kernel_size = {cases[ci].kh, cases[ci].kw},
+                        .strides = {cases[ci].sh, cases[ci].sw}, .padding = cases[ci].pad,
+                        .activation = cases[ci].relu ? MPT_ACT_RELU : MPT_ACT_NONE});
+                    if (cases[ci].pool)
+                        mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){
+                            .pool_size = {2, 2},
+                            .padding = cases[ci].pool == 1 ? MPT_PADDING_VALID : MPT_PADDING_SAME});
+                    mpt_model_add_flatten(m, NULL);
+                    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+                    randomize(m, 400 + ci);
+                    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, xs);
+                    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, yshape, ys);
+                    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.x = &tx, .y = &ty}, &d) ==
+                              MPT_OK, "dataset: %s", mpt_context_error(ctx));
+                    q = quantize(m, dynamic ? MPT_QUANTIZE_DYNAMIC_RANGE
+                                            : MPT_QUANTIZE_FULL_INTEGER,
+                                 d, dynamic ? MPT_DTYPE_DEFAULT : MPT_INT8);
+                    for (alone = 0; q && alone < 2; alone++) { /* the batch, then sample 0 */
+                        mpt_tensor x8, y8;
+                        mpt_quantized_info info;
+                        int64_t xshape[4] = {alone ? 1 : N, cases[ci].h, cases[ci].w, cases[ci].c};
+                        direct[variant] = q->quantized->ops[0].direct_w != NULL;
+                        if (!variant)
+                            CHECK(!direct[0] || (cases[ci].pool == 1) ==
+                                                    (mpt__qconv_pool(q->quantized, 0) != NULL),
+                                  "case %d: the MaxPooling2D %s with the conv", ci,
+                                  cases[ci].pool == 1 ? "does not run" : "runs");
+                        memset(&y8, 0, sizeof y8);
+                        if (dynamic) {
+                            mpt_tensor_wrap(ctx, &x8, MPT_FLOAT32, 4, xshape, xs);
+                        } else {
+                            mpt_model_quantized_info(q, &info);
+                            mpt_tensor_alloc(ctx, &x8, MPT_INT8, 4, xshape);
+                            for (k = 0; k < mpt_tensor_count(&x8); k++)
+                                ((int8_t *)x8.data)[k] = mpt__q_quantize(xs[k], &info.input);
+                        }
+                        CHECK(mpt_model_quantized_invoke(q, &x8, &y8) == MPT_OK, "invoke: %s",
+                              mpt_context_error(ctx));
+                        count[alone] = (int64_t)mpt_tensor_bytes(&y8);
+                        codes[variant][alone] = (unsigned char *)malloc((size_t)count[alone] + 1);
+                        if (y8.data) memcpy(codes[variant][alone], y8.data, (size_t)count[alone]);
+                        if (!dynamic) mpt_tensor_free(ctx, &x8);
+                        mpt_tensor_free(ctx, &y8);
+                    }
+                    mpt_model_destroy(q);
+                    mpt_dataset_destroy(d);
+                    mpt_model_destroy(m);
+                    mpt_context_destroy(ctx);
+                    free(xs);
+                }
+                if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) &&
+                    (mpt__detect_cpu() & MPT_CPU_AVX512))
+                    CHECK(direct[0], "case %d: the conv does not run from its windows", ci);
+                CHECK(!direct[1], "case %d: the conv runs from its windows without VNNI", ci);
+                one = count[0] / N; /* sample 0 alone: the batch's first sample */
+                for (k = 0; codes[0][0] && codes[1][0] && k < count[0]; k++)
+                    diff += codes[0][0][k] != codes[1][0][k];
+                for (k = 0; codes[0][1] && codes[1][0] && k < one && count[1] == one; k++)
+                    diff += codes[0][1][k] != codes[1][0][k];
+                CHECK(codes[0][0] && codes[1][0] && codes[0][1] && count[1] == one && diff == 0,
+                      "case %d (%lldx%lldx%lld, %lld filters, %lldx%lld kernel, %d threads, %s): "
+                      "%lld of %lld bytes differ from im2col's", ci, (long long)cases[ci].h,
+                      (long long)cases[ci].w, (long long)cases[ci].c,
+                      (long long)cases[ci].filters, (long long)cases[ci].kh,
+                      (long long)cases[ci].kw, threads, dynamic ? "dynamic range" : "full integer",
+                      (long long)diff, (long long)(count[0] + one));
+                free(codes[0][0]);
+                free(codes[0][1]);
+                free(codes[1][0]);
+                free(codes[1][1]);
+            }
+}
+
+/* Every model's full-integer codes and dynamic-range floats from
+   mpt__q_forward (convolutions from their windows, chains of per-channel
+   MULs and ADDs as one table, merges over the threads) are those of its
+   operations run one by one on buffers of their own (mpt__q_run_op's
+   im2col and products, mpt__q_binary), bit for bit: the batch and one
+   sample, on 1 and 2 threads. */
+/* RESIDUAL's two ADDs (the Conv2D's output their first input, then their
+   second), BN_GRAPH's one and MERGES' Average's first (of the shared
+   Conv2D's two calls). */
+#define ADDS_AFTER_CONV 4
+static void test_forward_as_ops_one_by_one(void) {
+    static const int kinds[] = {MODEL_CNN,    MODEL_GAP,      MODEL_RESIDUAL,
+                                MODEL_MERGES, MODEL_BN_CHAIN, MODEL_BN_GRAPH};
+    int ki, threads, dynamic, chains = 0, absorbed = 0, adds = 0;
+    make_samples(31);
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
+            mpt_model *m, *q[2];
+            mpt_dataset *d;
+            m = make_model(ctx, kinds[ki], 320 + (unsigned)ki);
+            d = samples_dataset(ctx, N_SAMPLES, sample_x);
+            q[0] = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+            q[1] = quantize(m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, MPT_DTYPE_DEFAULT);
+            for (dynamic = 0; q[0] && q[1] && dynamic <= 1; dynamic++) {
+                mpt__quantized *Q = q[dynamic]->quantized;
+                const mpt__qexec ex = dynamic ? MPT__QX_DYNAMIC : MPT__QX_INTEGER;
+                const size_t es = dynamic ? 4 : 1;
+                const int64_t per = mpt__q_out_count(Q) * (int64_t)es;
+                mpt__qwork *w = NULL;
+                void *buf[64] = {NULL};
+                int64_t n, k, diff = 0;
+                int i;
+                for (i = 0; !dynamic && i < Q->n_ops; i++) {
+                    chains += Q->ops[i].chained > 0;
+                    absorbed += Q->ops[i].absorbs && mpt__qconv_takes(ctx, &Q->ops[i], ex);
+                    adds += Q->ops[i].fuse_add && mpt__qconv_takes(ctx, &Q->ops[i], ex);
+                }
+                CHECK(Q->n_ops < 64 && mpt__qwork_reuse(ctx, Q, N_SAMPLES, &w) == MPT_OK, "work");
+                buf[0] = malloc((size_t)(N_SAMPLES * Q->in_count) * es);
+                for (k = 0; k < N_SAMPLES * Q->in_count; k++)
+                    if (dynamic) ((float *)buf[0])[k] = sample_x[k];
+                    else ((int8_t *)buf[0])[k] = mpt__q_quantize(sample_x[k], &Q->tensor[0]);
+                for (n = N_SAMPLES; w && n >= 1; n = n == 1 ? 0 : 1) {
+                    const void *out = NULL;
+                    unsigned char *got = (unsigned char *)malloc((size_t)(n * per));
+                    for (i = 0; i < Q->n_ops; i++) /* one by one */
+                        buf[i + 1] = malloc((size_t)(n * Q->ops[i].out_count) * es);
+                    for (i = 0; i < Q->n_ops; i++) {
+                        const mpt__qop *op = &Q->ops[i];
+                        const void *xs[MPT_MAX_MERGE_INPUTS];
+                        int j;
+                        for (j = 0; j < op->info.n_inputs; j++) xs[j] = buf[op->in_t[j]];
+                        if (op->info.op == MPT_QOP_RESHAPE)
+                            memcpy(buf[i + 1], xs[0], (size_t)(n * op->out_count) * es);
+                        else if (op->info.op == MPT_QOP_PAD) mpt__q_pad(op, !dynamic, xs[0], buf[i + 1], n);
+                        else if (op->info.op == MPT_QOP_CONCATENATION)
+                            mpt__q_concat(op, !dynamic, xs, buf[i + 1], n);
+                        else if (mpt__qop_is_merge(op))
+                            mpt__q_binary(op, !dynamic, xs[0], op->info.n_inputs > 1 ? xs[1] : NULL,
+                                          buf[i + 1], n * op->out_count);
+                        else
+                            CHECK(mpt__q_run_op(ctx, Q, i, ex, xs[0], buf[i + 1], n, w) == MPT_OK,
+                                  "op %d", i);
+                    }
+                    CHECK(mpt__q_forward(ctx, Q, ex, buf[0], n, w, NULL, &out) == MPT_OK,
+                          "forward: %s", mpt_context_error(ctx));
+                    if (out) memcpy(got, out, (size_t)(n * per));
+                    for (k = 0; out && k < n * per; k++)
+                        diff += got[k] != ((const unsigned char *)buf[Q->out_t])[k];
+                    CHECK(out && diff == 0, "model %d, %s, %d threads, %lld samples: %lld of %lld "
+                          "bytes differ from the operations one by one", kinds[ki],
+                          dynamic ? "dynamic range" : "full integer", threads, (long long)n,
+                          (long long)diff, (long long)(n * per));
+                    for (i = 0; i < Q->n_ops; i++) free(buf[i + 1]);
+                    free(got);
+                }
+                free(buf[0]);
+            }
+            mpt_model_destroy(q[0]);
+            mpt_model_destroy(q[1]);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+        }
+    CHECK(chains == 2 * (2 + 3), "%d chains of per-channel MULs and ADDs, want 2 + 3 (a run "
+          "on 1 and 2 threads each)", chains);
+    /* BN_CHAIN's first and BN_GRAPH's on the input, looked up as their Conv2D copies rows */
+    if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) && (mpt__detect_cpu() & MPT_CPU_AVX512))
+        CHECK(absorbed == 2 * 2 && adds == 2 * ADDS_AFTER_CONV,
+              "%d chains absorbed by the Conv2D after them (want 2 + 2), %d ADDs run with the "
+              "Conv2D before them (want %d)", absorbed, adds, 2 * ADDS_AFTER_CONV);
+}
+
 int main(void) {
     TEST_RUN(test_rounding_ties_away_from_zero);
     TEST_RUN(test_batchnorm_folding_float);
@@ -3022,6 +3261,8 @@ int main(void) {
     TEST_RUN(test_small_conv_scalar_reference);
     TEST_RUN(test_calibration_mse);
     TEST_RUN(test_one_channel_conv_from_the_image);
+    TEST_RUN(test_conv_from_windows);
+    TEST_RUN(test_forward_as_ops_one_by_one);
     TEST_RUN(test_graph_ops_within_steps);
     TEST_RUN(test_graph_merge_scalar_reference);
     TEST_RUN(test_graph_predict_modes);

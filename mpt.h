@@ -386,8 +386,9 @@
        @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
                           and its MaxPooling2D from the image), int8 softmax,
                           the batch's run
-       @impl-quantized-model  calibration, mpt_model_quantize, predict,
-                          evaluate, invoke, summary
+       @impl-quantized-model  calibration, mpt_model_quantize
+       @impl-quantized-use  the quantized model's predict, evaluate,
+                          summary, info and invoke
        @impl-qat          quantization-aware training: fake quantization in
                           the forward and backward walks, ranges for the
                           conversion
@@ -9960,7 +9961,7 @@ static int64_t mpt__cpu_attention_workspace(void *impl, const mpt_attention_args
    ============================================================================= */
 
 /* Defined in the sections that follow the training story. Post-training
-   quantization (@impl-quantized-model): */
+   quantization (@impl-quantized-model, @impl-quantized-use): */
 typedef struct mpt__quantized mpt__quantized;
 static void mpt__quantized_free(const mpt_context *ctx, mpt__quantized *Q);
 static mpt_status mpt__refuse_quantized(mpt_model *m, const char *what);
@@ -32331,8 +32332,8 @@ MPTDEF mpt_status mpt_quantize_multiplier(mpt_context *ctx, double real, int32_t
      dynamic    products in int8 on inputs quantized per sample, the rest
                 in float32
      integer    everything in int8 from the input's quantization on
-   (@impl-quantized-passes), and @impl-quantized-model calibrates, builds
-   the model and runs it over datasets. This section: the structures, a
+   (@impl-quantized-passes), @impl-quantized-model calibrates and builds
+   the model and @impl-quantized-use runs it over datasets. This section: the structures, a
    tensor's quantization, the operations from the layers, the work block. */
 
 #define MPT__Q_HIST_BINS 2048
@@ -35216,8 +35217,8 @@ static mpt_dtype mpt__q_batch_dtype(const mpt__quantized *Q, const mpt_dataset *
 }
 
 /* =============================================================================
-   @impl-quantized-model  calibration, mpt_model_quantize, and the quantized
-   model's predict, evaluate, invoke and summary
+   @impl-quantized-model  calibration and mpt_model_quantize (the quantized
+   model at work: @impl-quantized-use)
    ============================================================================= */
 
 /* ---- calibration and the int8 parameters -------------------------------------------------- */
@@ -35745,7 +35746,10 @@ MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc
     return MPT_OK;
 }
 
-/* ---- predict, evaluate, invoke -------------------------------------------------------------- */
+/* =============================================================================
+   @impl-quantized-use  the quantized model's predict, evaluate, summary,
+   info and invoke
+   ============================================================================= */
 
 /* predict's and evaluate's loader: every sample of data once, in order
    (*order, the caller's to free with *loader), in batches of `batch` in

@@ -320,6 +320,9 @@
                           evaluation's tally
        @impl-fit          fit: epochs, callbacks, validation, out-of-memory
                           recovery
+       @impl-predict-plan  predict's and evaluate's plan: kernels prepared
+                          once, BatchNormalization folded, threads by layer
+                          size
        @impl-predict      evaluate, predict, summary, the end-of-fit summary
      the tools around training:
        @impl-generate     ids generated one position at a time, with each
@@ -3783,6 +3786,9 @@ typedef struct mpt__pool {
     int in_job;             /* a parallel-for is running; only the caller
                                writes it, before handing out tasks and
                                after the last one finished */
+    int solo;               /* the caller runs every task itself (predict's
+                               small layers: @impl-predict-plan's thread rule) */
+    int64_t handed;         /* parallel-fors handed to the workers (tests) */
 } mpt__pool;
 
 typedef struct mpt__worker_arg {
@@ -4700,13 +4706,14 @@ struct mpt_model {
     struct mpt__quantized *quantized;    /* NULL; a quantized model's operations */
     struct mpt__qat *qat;                /* NULL; quantization-aware training's
                                             ranges and buffers (@impl-qat)   */
-    /* Predict's weights packed once for the GEMM (@impl-predict): */
+    /* Predict's weights packed once for the GEMM (@impl-predict-plan): */
     uint64_t weights_version;            /* advanced wherever the weights may
                                             change: build, refresh_weights (so
                                             every load), each update, handing
                                             out a parameter                  */
     struct mpt__predict_plan *predict_plan; /* NULL until a predict packs   */
-    int predicting;                      /* a predict's forward passes run  */
+    int predicting;                      /* predict's or evaluate's forward
+                                            passes run through the plan     */
 };
 
 /* Where a model's buffers are, for the tensors that show them. */
@@ -5049,7 +5056,7 @@ static void mpt__layer_dz(const mpt__layer *L, const mpt__pass *p, mpt_activatio
    its first training step on a backend that measures its GEMM engines),
    the backend first times each engine on the shape and keeps the faster;
    a shape it cannot time keeps the default engine. */
-static int mpt__predict_gemm(struct mpt_model *m, const mpt_gemm_desc *g); /* @impl-predict */
+static int mpt__predict_gemm(struct mpt_model *m, const mpt_gemm_desc *g); /* @impl-predict-plan */
 static void mpt__layer_gemm(const mpt__pass *p, const mpt_gemm_desc *g, mpt_dtype c_dtype) {
     if (p->model->predicting && !p->training && mpt__predict_gemm(p->model, g)) return;
     if (p->model->planning && p->be->gemm_plan) (void)p->be->gemm_plan(p->impl, g, c_dtype);
@@ -5850,15 +5857,35 @@ static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv
     return p->be->conv_direct(p->impl, &a);
 }
 
-/* y rows [b0·pix, (b0 + n)·pix) of the batch. */
-static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
-                                      int64_t b0, int64_t n) {
-    const mpt_conv2d_desc *d = &L->desc.conv2d;
+/* What a Conv2D's forward multiplies by and where it writes: the layer's
+   own kernel, bias, activation and y (mpt__conv2d_own), or what predict's
+   plan gives it (@impl-predict-plan: a BatchNormalization folded into the
+   kernel and bias, an Activation after it fused, y the last fused
+   layer's). */
+typedef struct mpt__conv_out {
+    const void *kernel;  /* (kh, kw, C, F) in the compute dtype             */
+    const float *bias;   /* (F) or NULL                                     */
+    mpt_activation act;
+    void *y;             /* (B, OH, OW, F)                                  */
+} mpt__conv_out;
+
+static mpt__conv_out mpt__conv2d_own(const mpt__layer *L, const mpt__pass *p) {
+    mpt__conv_out o;
+    o.kernel = mpt__param_compute_copy(L, 0);
+    o.bias = L->desc.conv2d.no_bias ? NULL : mpt__param_master(L, 1);
+    o.act = mpt__pass_activation(p, L->desc.conv2d.activation);
+    o.y = p->y;
+    return o;
+}
+
+/* y rows [b0·pix, (b0 + n)·pix) of the batch, by im2col and the GEMM. */
+static void mpt__conv2d_forward_rows(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
+                                     int64_t b0, int64_t n, const mpt__conv_out *o) {
     const int64_t rows = n * c->pix, ny = rows * c->f;
-    const mpt_activation act = mpt__pass_activation(p, d->activation);
+    const mpt_activation act = o->act;
     const int fused = !mpt__activation_keeps_z(act) && act != MPT_ACT_SOFTMAX;
     const unsigned char *x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c->es;
-    unsigned char *y = (unsigned char *)p->y + (size_t)(b0 * c->pix * c->f) * c->es;
+    unsigned char *y = (unsigned char *)o->y + (size_t)(b0 * c->pix * c->f) * c->es;
     mpt__ws w = {(unsigned char *)p->workspace};
     void *cols = c->identity ? NULL : mpt__ws_take(&w, rows * c->kk * (int64_t)c->es);
     const int rounds_c = fused && L->dtype != MPT_FLOAT32 && p->be->gemm_rounds_c;
@@ -5869,9 +5896,8 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
     if (cols) p->be->im2col(p->impl, &c->g, L->dtype, x, n, cols); /* (rows, kk) */
     /* acc (rows, F) = cols · kernel */
     g = mpt__layer_gemm_desc(L, 0, 0, rows, c->f, c->kk,
-                             cols ? (const void *)cols : (const void *)x,
-                             mpt__param_compute_copy(L, 0), acc);
-    g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
+                             cols ? (const void *)cols : (const void *)x, o->kernel, acc);
+    g.bias = o->bias;
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
     if (mpt__activation_keeps_z(act)) {
@@ -5883,6 +5909,12 @@ static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const m
         p->be->activation(p->impl, MPT_ACT_SOFTMAX, acc, rows, c->f);
     }
     if ((void *)acc != (void *)y) p->be->convert(p->impl, L->dtype, y, MPT_FLOAT32, acc, ny);
+}
+
+static void mpt__conv2d_forward_chunk(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
+                                      int64_t b0, int64_t n) {
+    const mpt__conv_out o = mpt__conv2d_own(L, p);
+    mpt__conv2d_forward_rows(L, p, c, b0, n, &o);
 }
 
 /* Forward's or backward's chunk function over samples [b0, b0 + n). */
@@ -5909,6 +5941,40 @@ static void mpt__conv2d_forward_batch(mpt__layer *L, const mpt__pass *p) {
         mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace, 0))
         return;
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
+}
+
+/* Predict's forward of a Conv2D (@impl-predict-plan): o's kernel, bias,
+   activation (none or one the products fuse: not softmax, nor one that
+   keeps z) and y. The backend's direct product prepares its kernel in ws
+   (MPT_CONV_DIRECT_WS_BYTES, the plan's) when ws_kept is 0 and finds it
+   there when 1 (mpt_conv_args.ws_kept: the same kernel, window, dtype
+   and direction); returns 1 when the direct product ran (ws then holds
+   its kernel), 0 when the im2col path did. A Conv2D that runs its
+   MaxPooling2D is not the plan's (its own forward runs). */
+static int mpt__conv2d_forward_as(mpt__layer *L, const mpt__pass *p, const mpt__conv_out *o,
+                                  void *ws, int ws_kept) {
+    mpt__conv_plan c;
+    mpt_conv_args a;
+    int64_t b0;
+    mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
+    if (p->be->conv_direct) {
+        memset(&a, 0, sizeof a);
+        a.g = &c.g;
+        a.dtype = L->dtype;
+        a.n = p->batch;
+        a.f = c.f;
+        a.x = p->x;
+        a.kernel = o->kernel;
+        a.bias = o->bias;
+        a.act = o->act;
+        a.y = o->y;
+        a.ws = ws;
+        a.ws_kept = ws_kept;
+        if (p->be->conv_direct(p->impl, &a)) return 1;
+    }
+    for (b0 = 0; b0 < p->batch; b0 += c.chunk)
+        mpt__conv2d_forward_rows(L, p, &c, b0, MPT__MIN(c.chunk, p->batch - b0), o);
+    return 0;
 }
 
 
@@ -7499,6 +7565,34 @@ static mpt_batchnorm_args mpt__bn_args(const mpt__layer *L, const mpt__pass *p) 
     a.moving_variance = mpt__param_master(L, moving + 1);
     a.workspace = p->workspace;
     return a;
+}
+
+/* Folds BatchNormalization B's inference, y = (x − moving_mean)·s + beta
+   with s = gamma · inv_std as its forward makes it (float32), into the
+   product x · kernel + bias that gives its x: kernel (rows, channels)'s
+   column c times s[c], bias[c] = (bias[c] − mean[c])·s[c] + beta[c] in
+   double, each rounded once (@impl-predict-plan). Returns 0, kernel and
+   bias half made, where a value is not finite. */
+static int mpt__bn_fold_into(const mpt__layer *B, float *kernel, float *bias, int64_t rows,
+                             int64_t channels) {
+    const int gamma = mpt__bn_gamma_slot(B), beta = mpt__bn_beta_slot(B);
+    const int moving = mpt__bn_moving_slot(B);
+    const float *g = gamma >= 0 ? mpt__param_master(B, gamma) : NULL;
+    const float *b = beta >= 0 ? mpt__param_master(B, beta) : NULL;
+    const float *mean = mpt__param_master(B, moving), *var = mpt__param_master(B, moving + 1);
+    int64_t r, c;
+    if (channels != B->in_shape[B->in_rank - 1]) return 0;
+    for (c = 0; c < channels; c++) {
+        const float scale = (g ? g[c] : 1.0f) * mpt__bn_inv_std(var[c], mpt__bn_epsilon(B));
+        bias[c] = (float)(((double)bias[c] - (double)mean[c]) * scale + (b ? b[c] : 0.0f));
+        if (!isfinite(scale) || !isfinite(bias[c])) return 0;
+        for (r = 0; r < rows; r++) {
+            float *k = &kernel[r * channels + c];
+            *k = (float)((double)*k * scale);
+            if (!isfinite(*k)) return 0;
+        }
+    }
+    return 1;
 }
 
 static void mpt__bn_forward(mpt__layer *L, const mpt__pass *p) {
@@ -16969,6 +17063,9 @@ static mpt_status mpt__evaluation_tally(mpt_model *m, mpt__tally *t) {
     return MPT_OK;
 }
 
+/* In @impl-predict-plan: a forward pass through predict's plan. */
+static void mpt__predict_forward(mpt_model *m, const mpt_tensor *x);
+
 /* Loss and metrics over a whole dataset, in order (evaluate, validation). */
 static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batch_size,
                                 int verbose, mpt__tally *t) {
@@ -16995,7 +17092,8 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
         if (s == MPT_OK) s = mpt__target_on_backend(m, &y, &target);
         if (s == MPT_OK) s = mpt__weights_on_backend(m, &w, &weights);
         if (s != MPT_OK) break;
-        mpt__model_forward(m, &in, 0);
+        if (m->predicting) mpt__predict_forward(m, &in); /* mpt_model_evaluate's */
+        else mpt__model_forward(m, &in, 0);
         mpt__queue_losses(m, &target, &weights, 0);
         done++;
         if (done * batch_size >= n) s = mpt__evaluation_tally(m, t);
@@ -17757,97 +17855,475 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
 }
 
 /* =============================================================================
-   @impl-predict: evaluate, predict, summary, and the summary at the end of fit
-   ============================================================================= */
+   @impl-predict-plan: predict's plan: weights prepared once, layers folded,
+   threads by size
+   =============================================================================
 
-/* ---- predict's weights packed once ---------------------------------------------------
-
-   A float32 Dense (or Conv2D by im2col) packs its kernel, B of its
-   product, into the GEMM's panels on every call from 5 rows (fewer read
-   it in place). Predict packs each such kernel once instead and keeps
-   the panels with the model (mpt__gemm_packed: the same floats, so the
-   same bits), until the weights may have changed: build, refresh_weights
-   (which every load and set of the weights ends with), an update, or a
-   parameter handed out (mpt_model_param) advance m->weights_version,
-   and a plan of another version is dropped. Only on the CPU, for a model
-   without replicas or quantization-aware training, and only for a GEMM
-   whose B is exactly a parameter's float32 compute copy. */
+   mpt_model_predict and mpt_model_evaluate run a model on the CPU through
+   a plan made the first time and kept with the model (m->predict_plan)
+   until its weights may have changed: build, refresh_weights (which every
+   load and set of the weights ends with), an update, or a parameter
+   handed out (mpt_model_param) advance m->weights_version, and a plan of
+   another version is dropped and made again from the weights as they are.
+   fit's validation does not use it: training and what it logs stay as
+   they were, bit for bit. Only for a model without replicas or
+   quantization-aware training; each part only for float32 layers. Made
+   with mpt__alloc beside the arenas (a ResNet-20's: 6 MiB); where a part
+   cannot be had the layer runs as always. What it holds:
+     packed B     each Dense's (and im2col Conv2D's) kernel, B of its
+                  product, packed into the GEMM's panels once (the GEMM
+                  packs B on every call from 5 rows), or for fewer rows
+                  (a batch of 1), which read B in place, into strips of
+                  columns each contiguous (MPT__GEMM_STRIP): the same
+                  floats, the same bits (mpt__predict_gemm);
+     conv kernels each Conv2D's kernel as the backend's direct product
+                  prepares it (Winograd's U = G g Gᵀ, the direct tiles'
+                  B), made by the first call in the plan's buffer and read
+                  by the later ones (mpt_conv_args.ws_kept): the same bits
+                  (a ResNet-20's batch of 1 spent a quarter of its time
+                  transforming kernels);
+     folds        a BatchNormalization whose input is a Conv2D's or a
+                  Dense's that ends without an activation, where it is
+                  that output's only reader and neither output is one of
+                  the model's, folded into the layer's kernel and bias:
+                  per channel s = gamma / sqrt(variance + epsilon) as its
+                  forward makes it, kernel·s and (bias − mean)·s + beta
+                  (in double, then rounded once), as export folds it; and
+                  a ReLU Activation that alone reads the result (the
+                  BatchNormalization's, or such a layer's own) fused into
+                  the products. The one call writes the last fused layer's
+                  y, and the layers folded in are skipped: ResNet-20's
+                  Conv2D → BatchNormalization → ReLU is one pass over
+                  memory instead of three; an Add of two inputs and a
+                  ReLU that alone reads it, one pass instead of two (the
+                  same operations, the same bits: its residual blocks'
+                  ends). Folding rounds otherwise
+                  (w·s once, no (z − mean)·s + beta in float32): predict
+                  and evaluate differ from the layer-by-layer forward in
+                  the last bits (tests/test_conv.c bounds it); a fold
+                  whose values are not all finite is not made;
+     the thread rule (below).
+   Buffers are the model's own (each layer has its y); nothing is
+   allocated per call but the plan's first making and what predict
+   returns. */
 
 /* Defined below, in @impl-gemm. */
 typedef struct mpt__gemm_packed mpt__gemm_packed;
 static int mpt__gemm_packs_b(mpt_context *ctx, const mpt_gemm_desc *d);
 static mpt__gemm_packed *mpt__gemm_pack_b_whole(mpt_context *ctx, const mpt_gemm_desc *d);
+static int mpt__gemm_strips_b(mpt_context *ctx, const mpt_gemm_desc *d);
+static mpt__gemm_packed *mpt__gemm_pack_b_strips(mpt_context *ctx, const mpt_gemm_desc *d);
 static int mpt__gemm_packed_fits(mpt_context *ctx, const mpt_gemm_desc *d,
                                  const mpt__gemm_packed *p);
 static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
                                 const mpt__gemm_packed *p);
 static void mpt__gemm_packed_free(mpt_context *ctx, mpt__gemm_packed *p);
+/* ... in @impl-batchnorm: */
+static int mpt__bn_fold_into(const mpt__layer *B, float *kernel, float *bias, int64_t rows,
+                             int64_t channels);
+
+/* The thread rule. A parallel-for wakes the pool's workers: a few
+   microseconds while they watch for work, tens once they sleep, a
+   scheduler tick when the host is busy, against a batch of 1's layers of
+   a few to a few tens of microseconds each. Each layer's call is
+   estimated in nanoseconds of one thread from its size: multiply-adds
+   (the layer's macs facet) times the batch, the elements it reads and
+   writes, and the weights it reads once a call (a Dense at batch 1
+   streams its kernel from memory); one below MPT_PREDICT_SOLO_NS runs on
+   the calling thread alone (mpt__pool.solo), the pool's workers left
+   watching or asleep. The same tasks run either way, so the same bits:
+   only who runs them changes. The rates are one Zen 4 core's, measured
+   layer by layer in predict (ResNet-20, the mlp, cnn_small, the seed
+   cnn); the threshold is where two threads began to win on that 2-core
+   host (bench/RESULTS.md, "Predict's plan"): at a batch of 1 its
+   Conv2Ds of 15-40 µs ran no faster on two, its elementwise layers
+   slower, and at a batch of 4 the 70-90 µs ones 1.1-1.5× faster. */
+#define MPT__PREDICT_NS_PER_MAC 0.022    /* float32, AVX-512: the GEMM, the
+                                            direct tiles                     */
+#define MPT__PREDICT_NS_PER_WINO_MAC 0.008 /* a 3×3 Conv2D by Winograd's F(4×4,
+                                            3×3): a multiply-add of the direct
+                                            sum's, transforms included        */
+#define MPT__PREDICT_NS_PER_ELEMENT 0.08 /* an element read or written        */
+#define MPT__PREDICT_NS_PER_WEIGHT 0.065 /* a float of weights, once a call   */
+#ifndef MPT_PREDICT_SOLO_NS
+#define MPT_PREDICT_SOLO_NS 50000.0
+#endif
+
+/* A layer as the plan runs it. */
+typedef struct mpt__plan_layer {
+    int skip;               /* 1: folded into an earlier layer's call       */
+    int into;               /* the layer whose y its call writes: itself, or
+                               the last one folded in                       */
+    int planned;            /* a Conv2D or Dense the plan runs itself (its
+                               act fuses into the products)                 */
+    mpt_activation act;     /* what its call ends with                      */
+    float *kernel, *bias;   /* a BatchNormalization folded: (kernel's count),
+                               (F); NULL: the layer's own                   */
+    mpt__gemm_packed *packed, *strips; /* the folded kernel packed for the
+                               GEMM: in panels, in strips (a few rows)      */
+    void *conv_ws;          /* a Conv2D's direct product's prepared kernel
+                               (MPT_CONV_DIRECT_WS_BYTES); NULL: none       */
+    int conv_kept;          /* conv_ws holds it (the first call made it)    */
+    int add_relu;           /* an Add of two inputs and the ReLU after it, in
+                               one pass (mpt__predict_add_relu)             */
+    double ns_sample, ns_call; /* the thread rule's estimate: per sample,
+                               and once a call                              */
+} mpt__plan_layer;
 
 typedef struct mpt__predict_plan {
-    uint64_t version;           /* m->weights_version when packed          */
-    mpt__gemm_packed **packed;  /* [n] parameter i's, or NULL              */
+    uint64_t version;           /* m->weights_version when made            */
+    mpt__gemm_packed **packed;  /* [2n] parameter i's in panels ([i]) and
+                                   in strips ([n + i]), or NULL            */
     int n;                      /* m->n_params when made                   */
+    mpt__plan_layer *layers;    /* [n_layers]                              */
+    int n_layers;
 } mpt__predict_plan;
 
 static void mpt__predict_plan_free(mpt_model *m) {
+    mpt__predict_plan *pl = m->predict_plan;
     int i;
-    if (!m->predict_plan) return;
-    for (i = 0; i < m->predict_plan->n; i++)
-        mpt__gemm_packed_free(m->ctx, m->predict_plan->packed[i]);
-    mpt__free(m->ctx, m->predict_plan->packed);
-    mpt__free(m->ctx, m->predict_plan);
+    if (!pl) return;
+    for (i = 0; i < 2 * pl->n; i++) mpt__gemm_packed_free(m->ctx, pl->packed[i]);
+    for (i = 0; i < pl->n_layers; i++) {
+        mpt__gemm_packed_free(m->ctx, pl->layers[i].packed);
+        mpt__gemm_packed_free(m->ctx, pl->layers[i].strips);
+        mpt__free(m->ctx, pl->layers[i].kernel);
+        mpt__free(m->ctx, pl->layers[i].conv_ws);
+    }
+    mpt__free(m->ctx, pl->layers);
+    mpt__free(m->ctx, pl->packed);
+    mpt__free(m->ctx, pl);
     m->predict_plan = NULL;
 }
 
-/* Whether predict may keep packed weights for m. */
+/* A part of the plan that could not be allocated: the layers it would
+   serve run as they would without it (a fold not made rounds as the
+   layers one by one), and the log says so. */
+static void mpt__plan_short(const mpt_model *m, const char *what) {
+    mpt__log(m->ctx, MPT_LOG_WARNING, "predict: out of memory for %s: the layers run without it",
+             what);
+}
+
+/* Whether predict and evaluate may plan m. */
 static int mpt__predict_may_plan(const mpt_model *m) {
     return m->be == mpt__cpu_backend() && m->n_replicas == 1 && !m->strategy && !m->qat;
 }
 
+/* The one layer that reads node j, where exactly one input of one layer
+   does and j is no output of the model; else NULL. */
+static mpt__layer *mpt__plan_sole_reader(mpt_model *m, int j) {
+    mpt__layer *reader = NULL;
+    int i, s, reads = 0;
+    if (j < 1 || mpt__is_output_node(m, j)) return NULL;
+    for (i = j; i < m->n_layers; i++)
+        for (s = 0; s < m->layers[i].n_in; s++)
+            if (m->layers[i].in_node[s] == j) reader = &m->layers[i], reads++;
+    return reads == 1 ? reader : NULL;
+}
+
+/* A float32 ReLU Activation, the only reader of node j: what the
+   products before it can fuse. */
+static mpt__layer *mpt__plan_fusable_relu(mpt_model *m, int j) {
+    mpt__layer *A = mpt__plan_sole_reader(m, j);
+    return A && A->ops->kind == MPT__LAYER_ACTIVATION && A->dtype == MPT_FLOAT32 &&
+                   A->desc.activation.activation == MPT_ACT_RELU
+               ? A
+               : NULL;
+}
+
+/* Layer i, a float32 Conv2D or Dense: whether the plan runs it (its
+   activation fuses into the products: a Conv2D that runs its
+   MaxPooling2D keeps its own forward), and what it folds in. */
+static void mpt__plan_weighted(mpt_model *m, mpt__predict_plan *pl, int i) {
+    mpt__layer *L = &m->layers[i], *B, *A;
+    mpt__plan_layer *s = &pl->layers[i];
+    const int conv = L->ops->kind == MPT__LAYER_CONV2D;
+    const int64_t channels = L->out_shape[L->out_rank - 1];
+    const mpt_activation act = mpt__layer_activation(L);
+    int64_t kk;
+    if (!conv && L->ops->kind != MPT__LAYER_DENSE) return;
+    if (L->dtype != MPT_FLOAT32 || L->pools_next || mpt__activation_keeps_z(act) ||
+        act == MPT_ACT_SOFTMAX)
+        return;
+    kk = L->param[0]->count / channels; /* the kernel's rows: kh·kw·C, or in */
+    s->planned = 1;
+    s->act = act;
+    if (conv) { /* (its window's input channels: kk = kh·kw·C) */
+        mpt__conv_plan c;
+        mpt__conv_plan_init(&c, L, 1, m->be);
+        s->conv_ws = mpt__alloc(m->ctx, (size_t)MPT_CONV_DIRECT_WS_BYTES(c.kk, c.g.c, c.f));
+        if (!s->conv_ws) mpt__plan_short(m, "a Conv2D's prepared kernel");
+    }
+    if (act != MPT_ACT_NONE) return;
+    B = mpt__plan_sole_reader(m, i + 1);
+    if (B && B->ops->kind == MPT__LAYER_BATCH_NORMALIZATION && B->dtype == MPT_FLOAT32) {
+        const float *kernel = (const float *)mpt__param_compute_copy(L, 0);
+        const float *bias =
+            L->n_params > 1 ? mpt__param_master(L, 1) : NULL; /* (Dense, Conv2D: slot 1) */
+        s->kernel = (float *)mpt__alloc(m->ctx, sizeof(float) *
+                                                    (size_t)(L->param[0]->count + channels));
+        if (!s->kernel) {
+            mpt__plan_short(m, "a BatchNormalization's fold");
+            return;
+        }
+        s->bias = s->kernel + L->param[0]->count;
+        memcpy(s->kernel, kernel, sizeof(float) * (size_t)L->param[0]->count);
+        if (bias) memcpy(s->bias, bias, sizeof(float) * (size_t)channels);
+        else memset(s->bias, 0, sizeof(float) * (size_t)channels);
+        if (!mpt__bn_fold_into(B, s->kernel, s->bias, kk, channels)) {
+            mpt__free(m->ctx, s->kernel);
+            s->kernel = s->bias = NULL;
+            return;
+        }
+        pl->layers[B - m->layers].skip = 1;
+        s->into = (int)(B - m->layers);
+    }
+    A = mpt__plan_fusable_relu(m, s->into + 1);
+    if (A) {
+        pl->layers[A - m->layers].skip = 1;
+        s->into = (int)(A - m->layers);
+        s->act = MPT_ACT_RELU;
+    }
+}
+
+/* Layer i, a float32 Add of two inputs: whether a ReLU that alone reads
+   its sum runs with it (mpt__predict_add_relu). */
+static void mpt__plan_add(mpt_model *m, mpt__predict_plan *pl, int i) {
+    mpt__layer *L = &m->layers[i], *A;
+    if (L->ops->kind != MPT__LAYER_ADD || L->dtype != MPT_FLOAT32 || L->n_in != 2) return;
+    A = mpt__plan_fusable_relu(m, i + 1);
+    if (!A) return;
+    pl->layers[i].add_relu = 1;
+    pl->layers[i].into = (int)(A - m->layers);
+    pl->layers[A - m->layers].skip = 1;
+}
+
+#if MPT__X86
+static int mpt__wino_takes(const mpt_context *ctx, const mpt_conv_args *a); /* @impl-winograd */
+#endif
+
+/* The thread rule's estimate for layer i (mpt__plan_layer.ns_sample,
+   ns_call). */
+static void mpt__plan_estimate(const mpt_model *m, mpt__plan_layer *s, int i) {
+    const mpt__layer *L = &m->layers[i];
+    double weights = 0, per_mac = MPT__PREDICT_NS_PER_MAC;
+    int k;
+    for (k = 0; k < L->n_params; k++) weights += (double)L->param[k]->count;
+#if MPT__X86
+    if (L->ops->kind == MPT__LAYER_CONV2D) { /* does Winograd's transform take it? */
+        mpt__conv_plan c;
+        mpt_conv_args a;
+        mpt__conv_plan_init(&c, L, 1, m->be);
+        memset(&a, 0, sizeof a);
+        a.g = &c.g;
+        a.dtype = L->dtype;
+        a.f = c.f;
+        a.act = s->planned ? s->act : mpt__layer_activation(L);
+        if (mpt__wino_takes(m->ctx, &a)) per_mac = MPT__PREDICT_NS_PER_WINO_MAC;
+    }
+#endif
+    s->ns_sample = (L->ops->macs ? L->ops->macs(L) : 0) * per_mac +
+                   (double)(L->in_count + L->out_count) * MPT__PREDICT_NS_PER_ELEMENT;
+    s->ns_call = weights * MPT__PREDICT_NS_PER_WEIGHT;
+}
+
+/* m's plan for its weights as they are: the one it has, or one made now;
+   NULL where it has none and none can be made (the layers then run as
+   always). */
+static mpt__predict_plan *mpt__predict_plan_get(mpt_model *m) {
+    mpt__predict_plan *pl = m->predict_plan;
+    int i;
+    if (pl && pl->version == m->weights_version && pl->n == m->n_params &&
+        pl->n_layers == m->n_layers)
+        return pl;
+    mpt__predict_plan_free(m); /* stale: made again from the weights as they are */
+    pl = (mpt__predict_plan *)mpt__calloc(m->ctx, sizeof *pl);
+    if (!pl) {
+        mpt__plan_short(m, "its plan");
+        return NULL;
+    }
+    m->predict_plan = pl;
+    pl->version = m->weights_version;
+    pl->n = m->n_params;
+    pl->n_layers = m->n_layers;
+    pl->packed = (mpt__gemm_packed **)mpt__calloc(m->ctx, sizeof *pl->packed *
+                                                              (size_t)(2 * m->n_params + 1));
+    pl->layers = (mpt__plan_layer *)mpt__calloc(m->ctx, sizeof *pl->layers *
+                                                            (size_t)m->n_layers);
+    if (!pl->packed || !pl->layers) {
+        mpt__free(m->ctx, pl->packed);
+        mpt__free(m->ctx, pl->layers);
+        pl->packed = NULL, pl->layers = NULL, pl->n = pl->n_layers = 0;
+        mpt__predict_plan_free(m);
+        mpt__plan_short(m, "its plan");
+        return NULL;
+    }
+    for (i = 0; i < m->n_layers; i++) pl->layers[i].into = i;
+    for (i = 0; i < m->n_layers; i++) {
+        if (!pl->layers[i].skip) mpt__plan_weighted(m, pl, i);
+        if (!pl->layers[i].skip) mpt__plan_add(m, pl, i);
+        mpt__plan_estimate(m, &pl->layers[i], i);
+    }
+    return pl;
+}
+
 /* g's product on its B packed ahead, if B is a parameter's float32
-   compute copy and the GEMM would pack it; returns whether it ran (no:
-   the caller runs g as always, also when packing cannot allocate). */
+   compute copy or a folded kernel of the plan, and the GEMM would pack
+   it (in panels) or read it a few rows at a time (in strips); returns
+   whether it ran (no: the caller runs g as always, also when packing
+   cannot allocate). */
 static int mpt__predict_gemm(mpt_model *m, const mpt_gemm_desc *g) {
     mpt__predict_plan *pl = m->predict_plan;
-    mpt__gemm_packed **e;
-    int i;
-    if (g->trans_b || (g->ab_dtype && g->ab_dtype != MPT_FLOAT32) || g->ldb != g->n ||
-        !mpt__gemm_packs_b(m->ctx, g))
+    mpt__gemm_packed **e = NULL;
+    int i, strips;
+    if (!pl || pl->version != m->weights_version || g->trans_b ||
+        (g->ab_dtype && g->ab_dtype != MPT_FLOAT32) || g->ldb != g->n)
         return 0;
-    for (i = 0; i < m->n_params; i++)
+    strips = mpt__gemm_strips_b(m->ctx, g);
+    if (!strips && !mpt__gemm_packs_b(m->ctx, g)) return 0;
+    for (i = 0; !e && i < pl->n; i++)
         if (m->params[i].compute == g->b && m->params[i].compute_dtype == MPT_FLOAT32 &&
             m->params[i].count == g->k * g->n)
-            break;
-    if (i == m->n_params) return 0;
-    if (!pl) {
-        pl = (mpt__predict_plan *)mpt__alloc(m->ctx, sizeof *pl);
-        if (!pl) return 0;
-        pl->packed = (mpt__gemm_packed **)mpt__alloc(m->ctx, sizeof *pl->packed *
-                                                                 (size_t)m->n_params);
-        if (!pl->packed) {
-            mpt__free(m->ctx, pl);
-            return 0;
-        }
-        memset(pl->packed, 0, sizeof *pl->packed * (size_t)m->n_params);
-        pl->n = m->n_params;
-        pl->version = m->weights_version;
-        m->predict_plan = pl;
-    }
-    if (pl->version != m->weights_version || pl->n != m->n_params) {
-        mpt__predict_plan_free(m); /* stale: packed again from the weights as they are */
-        return mpt__predict_gemm(m, g);
-    }
-    e = &pl->packed[i];
+            e = &pl->packed[strips ? pl->n + i : i];
+    for (i = 0; !e && i < pl->n_layers; i++)
+        if (pl->layers[i].kernel && pl->layers[i].kernel == (const float *)g->b &&
+            m->layers[i].param[0]->count == g->k * g->n)
+            e = strips ? &pl->layers[i].strips : &pl->layers[i].packed;
+    if (!e) return 0;
     if (*e && !mpt__gemm_packed_fits(m->ctx, g, *e)) {
         mpt__gemm_packed_free(m->ctx, *e);
         *e = NULL;
     }
-    if (!*e && !(*e = mpt__gemm_pack_b_whole(m->ctx, g))) return 0;
+    if (!*e && !(*e = strips ? mpt__gemm_pack_b_strips(m->ctx, g)
+                             : mpt__gemm_pack_b_whole(m->ctx, g))) {
+        mpt__plan_short(m, "a kernel packed ahead");
+        return 0;
+    }
     mpt__gemm_on_packed(m->ctx, g, *e);
     return 1;
 }
 
-/* ---- evaluate, predict --------------------------------------------------------------- */
+/* The plan's call of Conv2D or Dense layer L (s->planned): its kernel
+   and bias (or the folded ones), s->act fused, into layer s->into's y. */
+static void mpt__predict_weighted(mpt_model *m, mpt__layer *L, const mpt__pass *p,
+                                  mpt__plan_layer *s) {
+    void *y = m->layers[s->into].y;
+    if (L->ops->kind == MPT__LAYER_CONV2D) {
+        mpt__conv_out o = mpt__conv2d_own(L, p);
+        if (s->kernel) o.kernel = s->kernel, o.bias = s->bias;
+        o.act = s->act;
+        o.y = y;
+        if (s->conv_ws)
+            s->conv_kept = mpt__conv2d_forward_as(L, p, &o, s->conv_ws, s->conv_kept);
+        else
+            (void)mpt__conv2d_forward_as(L, p, &o, p->workspace, 0);
+    } else { /* Dense, as its forward with its activation fused: y = act(x · kernel + bias) */
+        int64_t rows = p->batch * mpt__dense_rows(L), in = L->in_shape[L->in_rank - 1];
+        mpt_gemm_desc g = mpt__layer_gemm_desc(
+            L, 0, 0, rows, L->desc.dense.units, in, p->x,
+            s->kernel ? (const void *)s->kernel : mpt__param_compute_copy(L, 0), (float *)y);
+        g.bias = s->kernel ? s->bias : L->desc.dense.no_bias ? NULL : mpt__param_master(L, 1);
+        g.activation = s->act;
+        mpt__layer_gemm(p, &g, MPT_FLOAT32);
+    }
+}
+
+/* An Add and the ReLU after it: y = relu(a + b), float32, the Add's one
+   operation and ReLU's test (a NaN passes, −0 gives +0) as the two layers
+   make them, so the same bits in one pass over memory instead of two;
+   chunks as the Add's. */
+typedef struct mpt__add_relu_job {
+    const float *a, *b;
+    float *y;
+    int64_t n;
+    int avx512;
+} mpt__add_relu_job;
+
+#define MPT__ADD_RELU_CHUNK ((int64_t)1 << 14) /* elements per task */
+
+#if MPT__X86
+MPT__TARGET_AVX512 static void mpt__add_relu_avx512(const float *a, const float *b, float *y,
+                                                    int64_t n) {
+    int64_t i;
+    for (i = 0; i < n; i += 16) {
+        const __mmask16 m = mpt__gemm_mask16((int)MPT__MIN(16, n - i));
+        const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + i),
+                                       _mm512_maskz_loadu_ps(m, b + i));
+        _mm512_mask_storeu_ps(
+            y + i, m,
+            _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NLE_UQ), v));
+    }
+}
+#endif
+
+static void mpt__add_relu_task(void *arg, int64_t chunk, int thread) {
+    const mpt__add_relu_job *j = (const mpt__add_relu_job *)arg;
+    const int64_t i0 = chunk * MPT__ADD_RELU_CHUNK, i1 = MPT__MIN(j->n, i0 + MPT__ADD_RELU_CHUNK);
+    int64_t i;
+    (void)thread;
+#if MPT__X86
+    if (j->avx512) {
+        mpt__add_relu_avx512(j->a + i0, j->b + i0, j->y + i0, i1 - i0);
+        return;
+    }
+#endif
+    for (i = i0; i < i1; i++) {
+        const float v = j->a[i] + j->b[i];
+        j->y[i] = v <= 0 ? 0.0f : v;
+    }
+}
+
+static void mpt__predict_add_relu(mpt_model *m, mpt__layer *L, const mpt__pass *p,
+                                  const mpt__plan_layer *s) {
+    mpt__add_relu_job j;
+    j.a = (const float *)p->xs[0];
+    j.b = (const float *)p->xs[1];
+    j.y = (float *)m->layers[s->into].y;
+    j.n = p->batch * L->in_count;
+    j.avx512 = (m->ctx->cpu & MPT_CPU_AVX512) != 0;
+    mpt__parallel_for(m->ctx, (j.n + MPT__ADD_RELU_CHUNK - 1) / MPT__ADD_RELU_CHUNK,
+                      mpt__add_relu_task, &j);
+}
+
+/* A forward pass through the plan (training off; m->predicting set, so
+   that the GEMMs look for their B in it): each layer's call on the
+   threads the rule picks, the planned ones as the plan prepared them, the
+   layers folded into an earlier one skipped. Without a plan,
+   mpt__model_forward's walk. */
+static void mpt__predict_forward(mpt_model *m, const mpt_tensor *x) {
+    mpt__predict_plan *pl = mpt__predict_plan_get(m);
+    mpt__pool *pool = &m->ctx->pool;
+    mpt__forward_walk w;
+    int i;
+    if (!pl) {
+        mpt__model_forward(m, x, 0);
+        return;
+    }
+    mpt__forward_begin(m, x, 0, &w);
+    for (i = 0; i < m->n_layers; i++) {
+        mpt__plan_layer *s = &pl->layers[i];
+        mpt__layer *L = &m->layers[i];
+        if (s->skip) { /* its y was written by the layer it is folded into */
+            w.cur = L->y;
+            w.cur_dtype = L->dtype;
+            continue;
+        }
+        pool->solo = (double)w.p.batch * s->ns_sample + s->ns_call < MPT_PREDICT_SOLO_NS;
+        L = mpt__forward_prepare(m, i, &w);
+        if (s->planned)
+            mpt__predict_weighted(m, L, &w.p, s);
+        else if (s->add_relu)
+            mpt__predict_add_relu(m, L, &w.p, s);
+        else
+            L->ops->forward(L, &w.p);
+        pool->solo = 0;
+        mpt__forward_finish(L, &w);
+    }
+}
+
+/* =============================================================================
+   @impl-predict: evaluate, predict, summary, and the summary at the end of fit
+   ============================================================================= */
 
 MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
                                      const mpt_evaluate_desc *desc, mpt_logs *logs) {
@@ -17872,7 +18348,9 @@ MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
     MPT__CHECK(mpt__check_data(m, data, "evaluate"));
     m->printer = d.printer;
     m->emit_logits = mpt__can_fuse_softmax(m);
+    m->predicting = mpt__predict_may_plan(m); /* through predict's plan */
     s = mpt__evaluate(m, data, batch, d.verbose, &t);
+    m->predicting = 0;
     m->emit_logits = 0;
     if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
@@ -17945,7 +18423,8 @@ static mpt_status mpt__predict(mpt_model *m, const mpt_dataset *data, int64_t ba
         s = mpt__input_on_backend(m, &x, &in);
         if (s != MPT_OK) break;
         m->predicting = mpt__predict_may_plan(m);
-        mpt__model_forward(m, &in, 0);
+        if (m->predicting) mpt__predict_forward(m, &in);
+        else mpt__model_forward(m, &in, 0);
         m->predicting = 0;
         for (k = 0; s == MPT_OK && k < n_out; k++) {
             const mpt__layer *L = mpt__output_layer(m, k);
@@ -26321,7 +26800,10 @@ static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn
     /* A parallel-for inside a task (a GEMM called per image, say) runs on
        the thread that asked, under that thread's index, so that it uses
        that thread's scratch: the pool serves one job at a time. */
-    if (pool->started == 0 || n_tasks == 1 || pool->in_job) {
+    /* So does a parallel-for while the pool is solo (@impl-predict-plan's
+       thread rule: a layer too small to pay for waking the workers), as
+       thread 0: the same tasks as on the pool, so the same bits. */
+    if (pool->started == 0 || n_tasks == 1 || pool->in_job || pool->solo) {
         int64_t t;
         int self = pool->in_job ? mpt__pool_thread_index(pool) : 0;
         for (t = 0; t < n_tasks; t++) fn(arg, t, self);
@@ -26329,6 +26811,7 @@ static void mpt__parallel_for(mpt_context *ctx, int64_t n_tasks, mpt__task_fn fn
     }
     pthread_mutex_lock(&pool->mutex);
     pool->in_job = 1;
+    pool->handed++;
     pool->fn = fn;
     pool->arg = arg;
     pool->n_tasks = n_tasks;
@@ -27632,13 +28115,27 @@ static void mpt__gemm_half_b(mpt_context *ctx, const mpt_gemm_desc *d) {
    the kernels then run on the same operands in the same order, and C has
    the same bits as mpt__gemm's. Products that do not pack B (at most
    MPT__GEMM_FEW_ROWS rows on the AVX-512 path) run as mpt__gemm does. */
-struct mpt__gemm_packed { /* the typedef is with @impl-predict's declarations */
+struct mpt__gemm_packed { /* the typedef is with @impl-predict-plan's declarations */
     const void *b;          /* the B packed, (k, n) float32 with ldb    */
     int64_t k, n, ldb;
     mpt__gemm_path path;    /* the layout's path and blocks             */
     int64_t kc, cols;       /* cols: n rounded up to whole panels       */
-    float *panels;          /* (k, cols), see mpt__gemm_job.bpre        */
+    float *panels;          /* (k, cols), see mpt__gemm_job.bpre; or,
+                               strips: the few-rows layout below         */
+    int strips;
 };
+
+/* The few-rows path (mpt__gemm_few_rows: a Dense on one sample) reads B
+   in place, a strip of 64 or 128 columns down all k rows, each row's
+   piece ldb floats after the last: a stride the hardware's prefetchers
+   do not follow across pages (4 KiB for 1024 columns). Predict's plan
+   keeps such a B as strips of MPT__GEMM_STRIP columns, each (k, w)
+   contiguous, w = MPT__GEMM_STRIP but for the last: strip s of B's
+   columns [J, J + w), J = s·MPT__GEMM_STRIP, starts at panels + J·k, so
+   that the product reads it as a B whose row pc starts at panels + J·(k −
+   1) + pc·w (within the block), ldb w: the same FMAs in the same order,
+   so the same bits, a fifth faster on a 784 × 1024 kernel. */
+#define MPT__GEMM_STRIP 128 /* a multiple of every strip mpt__gemm_few_cols cuts */
 
 /* Whether mpt__gemm packs d's B (float32): not where the product is
    empty or reads B in place (mpt__gemm_few_rows). */
@@ -27652,13 +28149,31 @@ static int mpt__gemm_packs_b(mpt_context *ctx, const mpt_gemm_desc *d) {
     return !job.pairs;
 }
 
-/* Whether p holds d's B for ctx's kernels. */
+/* Whether mpt__gemm reads d's B (float32) in place a few rows at a time
+   (mpt__gemm_few_rows), as predict may keep it in strips. */
+static int mpt__gemm_strips_b(mpt_context *ctx, const mpt_gemm_desc *d) {
+#if MPT__X86
+    mpt__gemm_job job;
+    if (d->m <= 0 || d->n <= 0 || d->k <= 0 || d->alpha_is_zero || d->trans_b ||
+        (d->ab_dtype && d->ab_dtype != MPT_FLOAT32))
+        return 0;
+    mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
+    return mpt__gemm_few_rows(&job) && job.b_dtype == MPT_FLOAT32;
+#else
+    (void)ctx, (void)d;
+    return 0;
+#endif
+}
+
+/* Whether p holds d's B for ctx's kernels, in the layout the product
+   takes (panels, or strips for a few rows). */
 static int mpt__gemm_packed_fits(mpt_context *ctx, const mpt_gemm_desc *d,
                                  const mpt__gemm_packed *p) {
     mpt__gemm_job job;
     if (d->trans_b || (d->ab_dtype && d->ab_dtype != MPT_FLOAT32) || d->b != p->b ||
         d->k != p->k || d->n != p->n || d->ldb != p->ldb)
         return 0;
+    if (p->strips) return mpt__gemm_strips_b(ctx, d);
     mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
     return job.path == p->path && job.kc == p->kc && !job.pairs;
 }
@@ -27702,6 +28217,54 @@ static mpt__gemm_packed *mpt__gemm_pack_b_whole(mpt_context *ctx, const mpt_gemm
     return p;
 }
 
+/* d's B (float32, as mpt__gemm_strips_b) in strips (MPT__GEMM_STRIP),
+   from ctx's allocator (mpt__gemm_packed_free); NULL when it cannot
+   allocate. */
+static mpt__gemm_packed *mpt__gemm_pack_b_strips(mpt_context *ctx, const mpt_gemm_desc *d) {
+    mpt__gemm_packed *p;
+    int64_t j, r, floats;
+    if (!mpt__gemm_strips_b(ctx, d)) return NULL;
+    p = (mpt__gemm_packed *)mpt__alloc(ctx, sizeof *p);
+    if (!p) return NULL;
+    memset(p, 0, sizeof *p);
+    p->b = d->b, p->k = d->k, p->n = d->n, p->ldb = d->ldb, p->strips = 1;
+    if (!mpt__mul_ok(d->k, d->n, &floats) || (uint64_t)floats > SIZE_MAX / sizeof(float) ||
+        !(p->panels = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)floats))) {
+        mpt__gemm_packed_free(ctx, p);
+        return NULL;
+    }
+    for (j = 0; j < d->n; j += MPT__GEMM_STRIP) {
+        const int64_t w = MPT__MIN(MPT__GEMM_STRIP, d->n - j);
+        for (r = 0; r < d->k; r++)
+            memcpy(p->panels + j * d->k + r * w, (const float *)d->b + r * d->ldb + j,
+                   sizeof(float) * (size_t)w);
+    }
+    return p;
+}
+
+#if MPT__X86
+typedef struct mpt__gemm_strips_job {
+    const mpt__gemm_job *job;
+    const mpt__gemm_packed *p;
+} mpt__gemm_strips_job;
+
+/* mpt__gemm_few_rows_task's strip, read from the strips of p. */
+static void mpt__gemm_strips_task(void *arg, int64_t task, int thread) {
+    const mpt__gemm_strips_job *s = (const mpt__gemm_strips_job *)arg;
+    const int64_t j0 = task * mpt__gemm_few_cols(s->job), k = s->p->k;
+    const int64_t at = j0 / MPT__GEMM_STRIP * MPT__GEMM_STRIP; /* its strip's first column */
+    mpt_gemm_desc e = *s->job->d;
+    mpt__gemm_job job = *s->job;
+    (void)thread;
+    /* row pc of columns [at, at + w) at panels + at·k + pc·w: B with ldb w
+       whose column j of row pc is at panels + at·(k − 1) + pc·w + j */
+    e.b = s->p->panels + at * (k - 1);
+    e.ldb = MPT__MIN(MPT__GEMM_STRIP, e.n - at);
+    job.d = &e;
+    mpt__gemm_few_rows_strip(&job, j0);
+}
+#endif
+
 /* d's product on B packed in p (mpt__gemm_packed_fits): the bits of
    mpt__gemm(ctx, d). */
 static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
@@ -27714,11 +28277,28 @@ static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
     }
     mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
 #if MPT__X86
-    if (mpt__gemm_few_rows(&job)) { /* B read in place: nothing to gain */
+    if (mpt__gemm_few_rows(&job) && p->strips) { /* as mpt__gemm_few_rows_run, on the strips */
+        mpt__gemm_strips_job s;
+        const int64_t strips = (d->n + mpt__gemm_few_cols(&job) - 1) / mpt__gemm_few_cols(&job);
+        int64_t t;
+        s.job = &job;
+        s.p = p;
+        if ((double)d->n * (double)d->k * 4.0 < 256.0 * 1024 || ctx->num_threads <= 1 ||
+            strips < 2)
+            for (t = 0; t < strips; t++) mpt__gemm_strips_task(&s, t, 0);
+        else
+            mpt__parallel_for(ctx, strips, mpt__gemm_strips_task, &s);
+        return;
+    }
+    if (mpt__gemm_few_rows(&job)) { /* B read in place */
         mpt__gemm_few_rows_run(&job);
         return;
     }
 #endif
+    if (p->strips) { /* (no few-rows path here: never packed so) */
+        mpt__gemm(ctx, d);
+        return;
+    }
     job.bpre = p->panels;
     job.bpre_cols = p->cols;
     mpt__gemm_plan_tasks(&job, ctx->num_threads);
@@ -29627,43 +30207,56 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino2_patch_transform(
 
 /* M (points, 12, 32) = V_ξ · U_ξ for filters [o0, o0 + nb), each ξ of
    the tile's points: the direct tiles' 12 × 32 register block, the
-   channels summed in order. */
+   channels summed in order. A task's last tiles may be fewer than 12 (a
+   batch of 1's 7 × 7 output is 4 tiles of 4 × 4, one task): its rows
+   past them would multiply zeros for nothing, so blocks of 4 and 8 rows
+   take 4 and 8 tiles or fewer. Each row's sums are the same FMAs in the
+   same order whatever the block, so the bits do not change. */
 #define MPT__WINO_SRC(i) const float *s##i = vx + i * ic;
-MPT__TARGET_AVX512 static void mpt__wino_products(const mpt__wino_job *j, const float *v,
-                                                  int64_t o0, int nb, float *m) {
-    const int64_t ic = j->ic, oc = j->oc;
-    const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
-    int xi;
-    for (xi = 0; xi < j->points; xi++) {
-        const float *vx = v + xi * MPT__WINO_TILES * ic, *wr = j->u + xi * ic * oc + o0;
-        float *tile = m + xi * MPT__WINO_TILES * 32;
-        int64_t c;
-        MPT__ROWS12(MPT__DCONV_ACC)
-        MPT__ROWS12(MPT__WINO_SRC)
-        if (nb > 16) {
-            for (c = 0; c < ic; c++, wr += oc) {
-                __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), b1 = _mm512_maskz_loadu_ps(k1, wr + 16);
-                __m512 ai;
-#define MPT__F(i)                                  \
+#define MPT__WINO_FMA2(i)                          \
     ai = _mm512_set1_ps(s##i[c]);                  \
     c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);    \
     c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);
-                MPT__ROWS12(MPT__F)
-#undef MPT__F
-            }
-        } else {
-            for (c = 0; c < ic; c++, wr += oc) {
-                __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;
-#define MPT__F(i)                                  \
+#define MPT__WINO_FMA1(i)                          \
     ai = _mm512_set1_ps(s##i[c]);                  \
     c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);
-                MPT__ROWS12(MPT__F)
-#undef MPT__F
-            }
-        }
-        MPT__ROWS12(MPT__DCONV_STORE)
+#define MPT__WINO_ROWS4(X) X(0) X(1) X(2) X(3)
+#define MPT__WINO_ROWS8(X) MPT__WINO_ROWS4(X) X(4) X(5) X(6) X(7)
+#define MPT__WINO_PRODUCTS(name, ROWS)                                                      \
+    MPT__TARGET_AVX512 static void name(const mpt__wino_job *j, const float *v, int64_t o0,  \
+                                        int nb, float *m) {                                 \
+        const int64_t ic = j->ic, oc = j->oc;                                               \
+        const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);          \
+        int xi;                                                                             \
+        for (xi = 0; xi < j->points; xi++) {                                                \
+            const float *vx = v + xi * MPT__WINO_TILES * ic, *wr = j->u + xi * ic * oc + o0; \
+            float *tile = m + xi * MPT__WINO_TILES * 32;                                    \
+            int64_t c;                                                                      \
+            ROWS(MPT__DCONV_ACC)                                                            \
+            ROWS(MPT__WINO_SRC)                                                             \
+            if (nb > 16) {                                                                  \
+                for (c = 0; c < ic; c++, wr += oc) {                                        \
+                    __m512 b0 = _mm512_maskz_loadu_ps(k0, wr);                              \
+                    __m512 b1 = _mm512_maskz_loadu_ps(k1, wr + 16), ai;                     \
+                    ROWS(MPT__WINO_FMA2)                                                    \
+                }                                                                           \
+            } else {                                                                        \
+                for (c = 0; c < ic; c++, wr += oc) {                                        \
+                    __m512 b0 = _mm512_maskz_loadu_ps(k0, wr), ai;                          \
+                    ROWS(MPT__WINO_FMA1)                                                    \
+                }                                                                           \
+            }                                                                               \
+            ROWS(MPT__DCONV_STORE)                                                          \
+        }                                                                                   \
     }
-}
+MPT__WINO_PRODUCTS(mpt__wino_products, MPT__ROWS12)
+MPT__WINO_PRODUCTS(mpt__wino_products8, MPT__WINO_ROWS8)
+MPT__WINO_PRODUCTS(mpt__wino_products4, MPT__WINO_ROWS4)
+#undef MPT__WINO_PRODUCTS
+#undef MPT__WINO_ROWS4
+#undef MPT__WINO_ROWS8
+#undef MPT__WINO_FMA1
+#undef MPT__WINO_FMA2
 #undef MPT__WINO_SRC
 
 /* One output pixel's 16 filters from o (mask k): + the bias, ReLU (as
@@ -29833,16 +30426,17 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino4_patch_transform(
 #undef MPT__W4_ROW
 #undef MPT__W4_COL
 
-/* V (points, 12, ic) = Bᵀ d B for tiles [t0, t0 + 12) of side `tile`,
-   16 channels at a time. Pixels in the padding, and tiles past the last,
-   read j->zero. */
+/* V (points, 12, ic) = Bᵀ d B for tiles [t0, t0 + rows) of side `tile`
+   (rows <= 12), 16 channels at a time. Pixels in the padding, and tiles
+   past the last, read j->zero. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__wino_job *j,
-                                                                     int64_t t0, float *v,
-                                                                     mpt_dtype dtype, int tile) {
+                                                                     int64_t t0, int rows,
+                                                                     float *v, mpt_dtype dtype,
+                                                                     int tile) {
     const int64_t ic = j->ic, step = MPT__WINO_TILES * ic;
     const size_t es = mpt_dtype_size(dtype);
     int64_t i, c;
-    for (i = 0; i < MPT__WINO_TILES; i++) {
+    for (i = 0; i < rows; i++) {
         const unsigned char *at[36]; /* the patch's pixels: (tile + 2)² */
         mpt__wino_patch(j, t0 + i, tile, es, at);
         for (c = 0; c < ic; c += 16) {
@@ -29858,10 +30452,11 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__wino_input_as(const mpt__
 /* One copy per tile side and dtype, each with its transform and loads
    inline (the tests on tile and dtype fold away). */
 #define MPT__WINO_INPUT_AS(tile)                                                                  \
-    (j->a->dtype == MPT_FLOAT16    ? mpt__wino_input_as(j, t0, v, MPT_FLOAT16, tile)              \
-     : j->a->dtype == MPT_BFLOAT16 ? mpt__wino_input_as(j, t0, v, MPT_BFLOAT16, tile)             \
-                                   : mpt__wino_input_as(j, t0, v, MPT_FLOAT32, tile))
-MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, float *v) {
+    (j->a->dtype == MPT_FLOAT16    ? mpt__wino_input_as(j, t0, rows, v, MPT_FLOAT16, tile)        \
+     : j->a->dtype == MPT_BFLOAT16 ? mpt__wino_input_as(j, t0, rows, v, MPT_BFLOAT16, tile)       \
+                                   : mpt__wino_input_as(j, t0, rows, v, MPT_FLOAT32, tile))
+MPT__TARGET_AVX512 static void mpt__wino_input(const mpt__wino_job *j, int64_t t0, int rows,
+                                               float *v) {
     if (j->tile == 4)
         MPT__WINO_INPUT_AS(4);
     else
@@ -29941,17 +30536,26 @@ MPT__TARGET_AVX512 static void mpt__wino_output(const mpt__wino_job *j, const fl
     }
 }
 
-/* Tiles [task·12, task·12 + 12). */
+/* Tiles [task·12, task·12 + 12); the last task's, where they are 4 or 8
+   or fewer, in a block of that many rows. */
 static void mpt__wino_task(void *arg, int64_t task, int thread) {
     const mpt__wino_job *j = (const mpt__wino_job *)arg;
     float *v = (float *)mpt__thread_scratch(j->ctx, thread);  /* (points, 12, ic) */
     float *m = v + j->points * MPT__WINO_TILES * j->ic;       /* (points, 12, 32) */
     const int64_t t0 = task * MPT__WINO_TILES;
+    const int64_t left = j->tiles - t0;
+    /* the block's rows (tiles past the last read zeros) */
+    const int rows = left <= 4 ? 4 : left <= 8 ? 8 : MPT__WINO_TILES;
     int64_t o0;
-    mpt__wino_input(j, t0, v);
+    mpt__wino_input(j, t0, rows, v);
     for (o0 = 0; o0 < j->oc; o0 += 32) {
         const int nb = (int)MPT__MIN(32, j->oc - o0);
-        mpt__wino_products(j, v, o0, nb, m);
+        if (rows == 4)
+            mpt__wino_products4(j, v, o0, nb, m);
+        else if (rows == 8)
+            mpt__wino_products8(j, v, o0, nb, m);
+        else
+            mpt__wino_products(j, v, o0, nb, m);
         mpt__wino_output(j, m, t0, o0, nb);
     }
 }

@@ -2028,6 +2028,486 @@ static void test_dz_gelu(void) {
                 }
 }
 
+/* ---- predict's plan: BatchNormalization folded, a ReLU fused, threads by size ----
+   (@impl-predict) */
+
+/* Every parameter of m named "<layer>/<suffix>" set to uniform values in
+   [lo, hi) from the test's generator, then the model told (refresh_weights). */
+static void plan_set(mpt_model *m, const char *suffix, double lo, double hi) {
+    int p;
+    for (p = 0; p < mpt_model_param_count(m); p++) {
+        mpt_param_info info;
+        const char *slash;
+        int64_t i;
+        mpt_model_param(m, p, &info);
+        slash = strrchr(info.name, '/');
+        if (!slash || strcmp(slash + 1, suffix) != 0) continue;
+        for (i = 0; i < mpt_tensor_count(&info.value); i++)
+            ((float *)info.value.data)[i] = (float)test_uniform(lo, hi);
+    }
+    mpt_model_refresh_weights(m);
+}
+
+/* The float32 values of layer `layer`'s parameter `suffix` as doubles
+   (malloc'd); NULL where it has none. */
+static double *plan_param(mpt_model *m, const char *layer, const char *suffix) {
+    char name[160];
+    int p;
+    snprintf(name, sizeof name, "%s/%s", layer, suffix);
+    for (p = 0; p < mpt_model_param_count(m); p++) {
+        mpt_param_info info;
+        mpt_model_param(m, p, &info);
+        if (strcmp(info.name, name) == 0) {
+            int64_t i, n = mpt_tensor_count(&info.value);
+            double *v = (double *)malloc(sizeof(double) * (size_t)n);
+            for (i = 0; i < n; i++) v[i] = ((const float *)info.value.data)[i];
+            return v;
+        }
+    }
+    return NULL;
+}
+
+/* BatchNormalization's statistics and scale set to what a trained one
+   holds (moving mean and beta around 0, variance and gamma around 1), and
+   biases nonzero. */
+static void plan_train_like(mpt_model *m, unsigned long long seed) {
+    test_seed(seed);
+    plan_set(m, "moving_mean", -0.5, 0.5);
+    plan_set(m, "moving_variance", 0.3, 2.0);
+    plan_set(m, "gamma", 0.5, 1.5);
+    plan_set(m, "beta", -0.5, 0.5);
+    plan_set(m, "bias", -0.3, 0.3);
+}
+
+/* What a fold case is: one layer giving a Conv2D (kernel k×k, stride s,
+   padding pad) or, with k 0, a Flatten and Dense of f units, then a
+   BatchNormalization, then (relu) a ReLU Activation, the model's output. */
+typedef struct fold_case {
+    int64_t h, w, c, f, k, s;
+    mpt_padding pad;
+    int bias, relu;
+    const char *path; /* what the products take there, for the report */
+    int packed;       /* the GEMM runs on the folded kernel packed ahead */
+} fold_case;
+
+static mpt_model *fold_model(mpt_context *c, const fold_case *fc, int64_t batch) {
+    mpt_model *m = NULL;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {fc->h, fc->w, fc->c}, .input_rank = 3,
+                                          .seed = 5}, &m);
+    if (fc->k) {
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = fc->f,
+                                                   .kernel_size = {fc->k, fc->k},
+                                                   .strides = {fc->s, fc->s}, .padding = fc->pad,
+                                                   .no_bias = !fc->bias});
+    } else {
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = fc->f, .no_bias = !fc->bias});
+    }
+    mpt_model_add_batch_normalization(m, NULL);
+    if (fc->relu)
+        mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    CHECK(mpt_model_build(m, batch) == MPT_OK, "build: %s", mpt_context_error(c));
+    return m;
+}
+
+/* The fold's exact values in double, y = relu((z − mean)·s + beta) with z
+   = x·kernel + bias and s = gamma / sqrt(variance + epsilon), and each
+   element's size S = |s|·(Σ|x·kernel| + |bias|) + |mean·s| + |beta|, the
+   sum of the magnitudes of what makes it. */
+static void fold_ref(mpt_model *m, const fold_case *fc, int64_t batch, const float *x, double *y,
+                     double *size) {
+    const char *layer = mpt_model_layer_name(m, fc->k ? 0 : 1);
+    const char *bn = mpt_model_layer_name(m, fc->k ? 1 : 2);
+    double *kernel = plan_param(m, layer, "kernel"), *bias = plan_param(m, layer, "bias");
+    double *mean = plan_param(m, bn, "moving_mean"), *var = plan_param(m, bn, "moving_variance");
+    double *gamma = plan_param(m, bn, "gamma"), *beta = plan_param(m, bn, "beta");
+    const int64_t n_in = batch * fc->h * fc->w * fc->c;
+    int64_t n_k = fc->k ? fc->k * fc->k * fc->c * fc->f : fc->h * fc->w * fc->c * fc->f;
+    double *xd = (double *)malloc(sizeof(double) * (size_t)n_in);
+    double *xa = (double *)malloc(sizeof(double) * (size_t)n_in);
+    double *ka = (double *)malloc(sizeof(double) * (size_t)n_k);
+    double *z, *za;
+    int64_t i, n_out, oh = 1, ow = 1, top, left;
+    geom g = {fc->h, fc->w, fc->c, fc->k, fc->k, fc->s, fc->s, fc->pad};
+    if (fc->k) geom_out(&g, &oh, &ow, &top, &left);
+    n_out = batch * oh * ow * fc->f;
+    z = (double *)malloc(sizeof(double) * (size_t)n_out);
+    za = (double *)malloc(sizeof(double) * (size_t)n_out);
+    for (i = 0; i < n_in; i++) xd[i] = x[i], xa[i] = fabs(x[i]);
+    for (i = 0; i < n_k; i++) ka[i] = fabs(kernel[i]);
+    if (fc->k) {
+        ref_conv(&g, fc->f, MPT_ACT_NONE, batch, xd, kernel, NULL, z);
+        ref_conv(&g, fc->f, MPT_ACT_NONE, batch, xa, ka, NULL, za);
+    } else { /* the Dense over the flattened sample */
+        geom one = {1, 1, fc->h * fc->w * fc->c, 1, 1, 1, 1, MPT_PADDING_VALID};
+        ref_conv(&one, fc->f, MPT_ACT_NONE, batch, xd, kernel, NULL, z);
+        ref_conv(&one, fc->f, MPT_ACT_NONE, batch, xa, ka, NULL, za);
+    }
+    for (i = 0; i < n_out; i++) {
+        const int64_t o = i % fc->f;
+        const double sc = gamma[o] / sqrt(var[o] + 1e-3);
+        const double b = bias ? bias[o] : 0, v = (z[i] + b - mean[o]) * sc + beta[o];
+        y[i] = fc->relu && v < 0 ? 0 : v;
+        size[i] = fabs(sc) * (za[i] + fabs(b)) + fabs(mean[o] * sc) + fabs(beta[o]);
+    }
+    free(kernel), free(bias), free(mean), free(var), free(gamma), free(beta);
+    free(xd), free(xa), free(ka), free(z), free(za);
+}
+
+/* The worst of |a − ref| / size over n values. */
+static double fold_worst(const float *a, const double *ref, const double *size, int64_t n) {
+    double worst = 0;
+    int64_t i;
+    for (i = 0; i < n; i++) {
+        const double e = fabs((double)a[i] - ref[i]) / (size[i] + 1e-30);
+        if (!(e <= worst)) worst = e;
+    }
+    return worst;
+}
+
+/* Predict folds a BatchNormalization into the Conv2D or Dense before it
+   (and fuses the ReLU after it) and so rounds otherwise than the layers
+   one by one (mpt_model_forward): each is checked against the fold's
+   exact values in double, within 2.5e-5 of each element's size S (the
+   sum of the magnitudes of what makes it). That is the budget of the
+   worst product: Winograd's F(4×4, 3×3), within 2e-5·S (test_winograd's
+   bound, the sums' error), plus the fold's own roundings (w·s and the
+   bias, 2^-24 each, relative: about 1.2e-7·S) or, one by one, BN's three
+   float32 operations on z (about 2e-7·S). The two then differ by at most
+   twice that, 5e-5·S; a fold that forgot the mean, or the square root,
+   or folded a channel's scale into another's column, is off by a whole
+   term (about 0.1·S to S) and fails. Then: the plan folded what it may,
+   so that predict did not simply run the layers one by one; the same
+   bits on 1 and 2 threads; a batch of 1 as a batch of 5's first sample. */
+static void test_predict_fold(void) {
+    static const fold_case cases[] = {
+        {9, 11, 8, 24, 3, 1, MPT_PADDING_SAME, 0, 1, "Winograd", 0},
+        {10, 10, 16, 16, 3, 2, MPT_PADDING_SAME, 1, 0, "direct tiles", 0},
+        {7, 8, 3, 20, 2, 1, MPT_PADDING_VALID, 1, 1, "im2col + GEMM, kernel packed", 1},
+        {4, 5, 3, 12, 0, 1, MPT_PADDING_VALID, 1, 1, "Dense, kernel packed", 1},
+    };
+    const int64_t batch = 5;
+    mpt_context *one;
+    size_t q;
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
+    for (q = 0; q < sizeof cases / sizeof cases[0]; q++) {
+        const fold_case *fc = &cases[q];
+        mpt_model *m = fold_model(ctx, fc, batch), *m1 = fold_model(one, fc, batch);
+        const int64_t n_in = batch * fc->h * fc->w * fc->c;
+        int64_t shape[4] = {batch, fc->h, fc->w, fc->c}, n_out = 0, i;
+        float *x = (float *)malloc(sizeof(float) * (size_t)n_in);
+        double *ref = NULL, *size = NULL, worst_plan = 1, worst_layers = 1, worst_apart = 1;
+        mpt_tensor tx, planned, planned1, first, layers;
+        mpt_dataset *d = NULL, *d1 = NULL, *head = NULL;
+        int folded = 0, same_threads = 0, same_first = 0;
+        test__begin();
+        memset(&planned, 0, sizeof planned), memset(&planned1, 0, sizeof planned1);
+        memset(&first, 0, sizeof first);
+        plan_train_like(m, 40 + q);
+        plan_train_like(m1, 40 + q);
+        test_seed(50 + q);
+        for (i = 0; i < n_in; i++) x[i] = (float)test_uniform(-1, 1);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, shape, x);
+        d = test_dataset_of(ctx, &tx, NULL);
+        d1 = test_dataset_of(one, &tx, NULL);
+        if (d) mpt_dataset_split(ctx, d, 1, &head, NULL);
+        if (m && m1 && d && d1 && head &&
+            mpt_model_predict(m, d, batch, &planned) == MPT_OK &&
+            mpt_model_predict(m1, d1, batch, &planned1) == MPT_OK &&
+            mpt_model_predict(m, head, 1, &first) == MPT_OK &&
+            mpt_model_forward(m, &tx, 0, &layers) == MPT_OK) {
+            const mpt__predict_plan *pl = m->predict_plan;
+            const int w = fc->k ? 0 : 1; /* the weighted layer */
+            n_out = mpt_tensor_count(&planned);
+            ref = (double *)malloc(sizeof(double) * (size_t)n_out);
+            size = (double *)malloc(sizeof(double) * (size_t)n_out);
+            fold_ref(m, fc, batch, x, ref, size);
+            worst_plan = fold_worst((const float *)planned.data, ref, size, n_out);
+            worst_layers = fold_worst((const float *)layers.data, ref, size, n_out);
+            for (i = 0, worst_apart = 0; i < n_out; i++)
+                worst_apart = MPT__MAX(worst_apart,
+                                       fabs(((const float *)planned.data)[i] -
+                                            ((const float *)layers.data)[i]) / (size[i] + 1e-30));
+            folded = pl && pl->layers[w].kernel && pl->layers[w + 1].skip &&
+                     pl->layers[w].into == w + 1 + fc->relu &&
+                     (!fc->relu || (pl->layers[w + 2].skip && pl->layers[w].act == MPT_ACT_RELU)) &&
+                     (!fc->packed || pl->layers[w].packed);
+            same_threads = memcmp(planned.data, planned1.data, sizeof(float) * (size_t)n_out) == 0;
+            same_first = memcmp(planned.data, first.data,
+                                sizeof(float) * (size_t)mpt_tensor_count(&first)) == 0;
+        }
+        CHECK(n_out > 0, "predict or forward failed: %s", mpt_context_error(ctx));
+        CHECK(folded, "the plan did not fold the BatchNormalization%s%s",
+              fc->relu ? " and the ReLU" : "", fc->packed ? " (or pack the folded kernel)" : "");
+        CHECK(worst_plan <= 2.5e-5, "predict is off the fold's exact values by %g of S", worst_plan);
+        CHECK(worst_layers <= 2.5e-5, "the layers one by one are off by %g of S", worst_layers);
+        CHECK(worst_apart <= 5e-5, "predict and the layers one by one differ by %g of S",
+              worst_apart);
+        CHECK(same_threads, "1 and 2 threads predict different bits");
+        CHECK(same_first, "a batch of 1 predicts other bits than a batch of 5's first sample");
+        test__end("predict folds %s + BatchNormalization%s (%s): %.2g of S off the exact values, "
+                  "%.2g one by one", fc->k ? "Conv2D" : "Dense", fc->relu ? " + ReLU" : "",
+                  fc->path, worst_plan, worst_layers);
+        free(x), free(ref), free(size);
+        mpt_tensor_free(ctx, &planned), mpt_tensor_free(one, &planned1), mpt_tensor_free(ctx, &first);
+        mpt_dataset_destroy(head), mpt_dataset_destroy(d), mpt_dataset_destroy(d1);
+        mpt_model_destroy(m), mpt_model_destroy(m1);
+    }
+    mpt_context_destroy(one);
+}
+
+/* What the plan must not fold: a BatchNormalization after a Conv2D that
+   ends with its own ReLU; one whose Conv2D's output another layer reads
+   too (an Add); and a ReLU whose input another layer reads too (it still
+   folds that input's BatchNormalization). One graph of the three, and of
+   an Add with the ReLU after it, which run as one pass: where nothing was
+   folded predict gives the bits of the layers one by one. */
+static void test_predict_no_fold(void) {
+    mpt_context *c = ctx;
+    mpt_model *m = NULL;
+    mpt_node x, a, b, y, both[2];
+    const int64_t batch = 3, shape[4] = {batch, 6, 6, 4};
+    float xs[3 * 6 * 6 * 4];
+    mpt_tensor tx, planned, layers;
+    mpt_dataset *d;
+    int64_t i;
+    int ok = 0, refused = 0, same = 0;
+    test__begin();
+    memset(&planned, 0, sizeof planned);
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {6, 6, 4}, .input_rank = 3, .seed = 8},
+                     &m);
+    x = mpt_model_input(m);
+    /* layer 0: Conv2D with its own ReLU; 1: BN after it (not folded) */
+    a = mpt_batch_normalization(m, mpt_conv2d(m, x, &(mpt_conv2d_desc){.filters = 16,
+                                                 .kernel_size = {3, 3}, .padding = MPT_PADDING_SAME,
+                                                 .activation = MPT_ACT_RELU}), NULL);
+    /* 2: Conv2D read by BN 3 and by Add 4 (not folded) */
+    b = mpt_conv2d(m, a, &(mpt_conv2d_desc){.filters = 16, .kernel_size = {3, 3},
+                                            .padding = MPT_PADDING_SAME});
+    both[0] = mpt_batch_normalization(m, b, NULL);
+    both[1] = b;
+    /* 5: a ReLU, the Add's only reader: run with it, in one pass */
+    y = mpt_activation_layer(m, mpt_add(m, 2, both, NULL),
+                             &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    /* 6: Conv2D, 7: BN (folded), read by 8, a ReLU (not fused), and by 9 */
+    b = mpt_batch_normalization(m, mpt_conv2d(m, y, &(mpt_conv2d_desc){
+                                       .filters = 16, .kernel_size = {3, 3},
+                                       .padding = MPT_PADDING_SAME}), NULL);
+    both[0] = mpt_activation_layer(m, b, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    both[1] = b;
+    (void)mpt_add(m, 2, both, NULL);
+    CHECK(mpt_model_build(m, batch) == MPT_OK, "build: %s", mpt_context_error(c));
+    plan_train_like(m, 61);
+    for (i = 0; i < batch * 6 * 6 * 4; i++) xs[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, shape, xs);
+    d = test_dataset_of(c, &tx, NULL);
+    if (d && mpt_model_predict(m, d, batch, &planned) == MPT_OK) {
+        const mpt__predict_plan *pl = m->predict_plan;
+        const size_t bytes = sizeof(float) * (size_t)(batch * 6 * 6 * 16);
+        float *sum = (float *)malloc(bytes); /* relu(the first Add), as predict made it */
+        memcpy(sum, m->layers[5].y, bytes);
+        ok = pl != NULL && mpt_model_forward(m, &tx, 0, &layers) == MPT_OK;
+        refused = ok && !pl->layers[0].kernel && !pl->layers[1].skip && !pl->layers[2].kernel &&
+                  !pl->layers[3].skip && pl->layers[4].add_relu && pl->layers[4].into == 5 &&
+                  pl->layers[5].skip && pl->layers[6].kernel && pl->layers[7].skip &&
+                  !pl->layers[8].skip && pl->layers[6].into == 7 && !pl->layers[9].add_relu;
+        /* layers 0..5 unfolded, the Add and its ReLU in one pass: the same bits */
+        same = ok && memcmp(sum, m->layers[5].y, bytes) == 0;
+        free(sum);
+    }
+    CHECK(ok, "predict or forward failed: %s", mpt_context_error(c));
+    CHECK(refused, "the plan folded what it must not (or missed the one fold it may)");
+    CHECK(same, "layers the plan does not fold gave other bits than one by one");
+    test__end("predict does not fold a BatchNormalization after a ReLU, or one whose Conv2D's "
+              "output is read twice, nor fuse a ReLU whose input is read twice; an Add and its "
+              "ReLU in one pass, the same bits");
+    mpt_tensor_free(c, &planned);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+}
+
+
+/* A model with a fold to train, evaluate and predict: Conv2D (no bias) →
+   BatchNormalization → ReLU → GlobalAveragePooling2D → Dense(4, softmax),
+   compiled with SGD and sparse categorical crossentropy. */
+static mpt_model *plan_classifier(mpt_context *c, int64_t filters, int64_t side,
+                                  int64_t batch) {
+    mpt_model *m = NULL;
+    mpt_compile_desc cd;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {side, side, 8}, .input_rank = 3,
+                                          .seed = 11}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = filters, .kernel_size = {3, 3},
+                                               .padding = MPT_PADDING_SAME, .no_bias = 1});
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    mpt_model_add_global_average_pooling2d(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_SOFTMAX});
+    memset(&cd, 0, sizeof cd);
+    cd.optimizer.type = MPT_OPTIMIZER_SGD;
+    cd.optimizer.learning_rate = 0.5f;
+    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    cd.metrics = MPT_METRIC_ACCURACY;
+    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    CHECK(mpt_model_build(m, batch) == MPT_OK, "build: %s", mpt_context_error(c));
+    return m;
+}
+
+/* m predicts on d the bits a fresh model given m's weights (through a
+   file, which reads them without touching m's plan) predicts. */
+static int plan_as_fresh(mpt_context *c, mpt_model *m, mpt_dataset *d, int64_t batch) {
+    const char *path = "build/test_conv_plan.safetensors";
+    mpt_model *fresh = plan_classifier(c, 16, 6, batch);
+    mpt_tensor pa, pb;
+    int same = 0;
+    memset(&pa, 0, sizeof pa), memset(&pb, 0, sizeof pb);
+    if (fresh && mpt_model_predict(m, d, batch, &pa) == MPT_OK &&
+        mpt_model_save_weights(m, path) == MPT_OK && mpt_model_load_weights(fresh, path) == MPT_OK &&
+        mpt_model_predict(fresh, d, batch, &pb) == MPT_OK)
+        same = memcmp(pa.data, pb.data, mpt_tensor_bytes(&pa)) == 0;
+    mpt_tensor_free(c, &pa), mpt_tensor_free(c, &pb);
+    mpt_model_destroy(fresh);
+    remove(path);
+    return same;
+}
+
+/* The fold is made from the weights as they are: after a training step
+   (fit), after BatchNormalization's statistics are set by hand, predict
+   gives what a fresh model with those weights gives, bit for bit, not
+   what it gave before; the plan is made again once a change, and kept
+   while nothing changes. And evaluate runs the same plan: its loss and
+   accuracy are those of predict's probabilities (the loss within 1e-6
+   relative: evaluate takes the logits, fusing the softmax into the
+   crossentropy, and sums in double). */
+static void test_predict_plan_follows(void) {
+    mpt_context *c = ctx;
+    const int64_t n = 12, batch = 4;
+    mpt_model *m = plan_classifier(c, 16, 6, batch);
+    float x[12 * 6 * 6 * 8];
+    int32_t y[12];
+    mpt_tensor before, after, p;
+    mpt_dataset *d;
+    mpt_logs logs;
+    uint64_t version = 0;
+    int64_t i;
+    double loss = 0, hits = 0;
+    int p_ok, kept;
+    test__begin();
+    memset(&before, 0, sizeof before), memset(&after, 0, sizeof after), memset(&p, 0, sizeof p);
+    test_seed(71);
+    for (i = 0; i < n * 6 * 6 * 8; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < n; i++) y[i] = (int32_t)(i % 4);
+    d = test_dataset_xy(c, x, y, n, 6 * 6 * 8);
+    if (d) { /* the samples as images */
+        mpt_dataset_destroy(d);
+        {
+            int64_t xs[4] = {n, 6, 6, 8}, ys[1] = {n};
+            mpt_tensor tx, ty;
+            mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, xs, x);
+            mpt_tensor_wrap(c, &ty, MPT_INT32, 1, ys, y);
+            d = test_dataset_of(c, &tx, &ty);
+        }
+    }
+    plan_train_like(m, 72);
+    CHECK(m && d && mpt_model_predict(m, d, batch, &before) == MPT_OK, "predict: %s",
+          mpt_context_error(c));
+    CHECK(m->predict_plan && m->predict_plan->layers[0].kernel, "the plan folded nothing");
+    CHECK(plan_as_fresh(c, m, d, batch), "predict differs from a fresh model's");
+    version = m->predict_plan ? m->predict_plan->version : 0;
+    CHECK(mpt_model_predict(m, d, batch, &p) == MPT_OK, "predict");
+    kept = m->predict_plan && m->predict_plan->version == version;
+    mpt_tensor_free(c, &p);
+    CHECK(kept, "a predict on unchanged weights made the plan again");
+    /* one training step changes the kernel and the statistics */
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 1, .batch_size = batch,
+                                              .steps_per_epoch = 1}) == MPT_OK,
+          "fit: %s", mpt_context_error(c));
+    CHECK(mpt_model_predict(m, d, batch, &after) == MPT_OK, "predict");
+    CHECK(before.data && after.data && memcmp(before.data, after.data,
+                                              mpt_tensor_bytes(&before)) != 0,
+          "predict after a training step gave what it gave before it");
+    CHECK(plan_as_fresh(c, m, d, batch), "after fit: predict differs from a fresh model's");
+    /* the statistics set by hand */
+    test_seed(73);
+    plan_set(m, "moving_mean", 1.0, 2.0);
+    CHECK(plan_as_fresh(c, m, d, batch), "after the mean set: predict differs from a fresh model's");
+    /* evaluate: predict's plan, predict's numbers */
+    p_ok = mpt_model_predict(m, d, batch, &p) == MPT_OK &&
+           mpt_model_evaluate(m, d, &(mpt_evaluate_desc){.batch_size = batch}, &logs) == MPT_OK;
+    for (i = 0; p_ok && i < n; i++) {
+        const float *row = (const float *)p.data + i * 4;
+        int k, best = 0;
+        for (k = 1; k < 4; k++) best = row[k] > row[best] ? k : best;
+        loss -= log((double)row[y[i]]);
+        hits += best == y[i];
+    }
+    loss /= (double)n;
+    CHECK(p_ok, "predict or evaluate: %s", mpt_context_error(c));
+    CHECK(p_ok && fabs(mpt_logs_get(&logs, "loss") - loss) <= 1e-6 * loss,
+          "evaluate's loss %.9g, predict's probabilities give %.9g", mpt_logs_get(&logs, "loss"),
+          loss);
+    CHECK(p_ok && mpt_logs_get(&logs, "accuracy") == hits / (double)n,
+          "evaluate's accuracy %g, predict's %g", mpt_logs_get(&logs, "accuracy"),
+          hits / (double)n);
+    test__end("predict's fold follows the weights (a fit, statistics set by hand); evaluate "
+              "gives predict's numbers");
+    mpt_tensor_free(c, &before), mpt_tensor_free(c, &after), mpt_tensor_free(c, &p);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+}
+
+/* The thread rule (@impl-predict): a batch of 1 of a small model runs
+   every layer on the calling thread (no parallel-for handed to the pool,
+   though its Conv2D has several tasks), a batch of 64 of a larger one
+   hands its big layers to the pool; either way the bits are those of a
+   1-thread context. */
+static void test_predict_threads(void) {
+    mpt_context *one;
+    int round;
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
+    for (round = 0; round < 2; round++) {
+        /* the batch of 1's Conv2D is 5 tasks of Winograd's tiles, under 30 µs */
+        const int64_t batch = round ? 64 : 1, filters = round ? 32 : 16, side = round ? 16 : 28;
+        const int64_t count = batch * side * side * 8;
+        mpt_model *m = plan_classifier(ctx, filters, side, batch);
+        mpt_model *m1 = plan_classifier(one, filters, side, batch);
+        float *x = (float *)malloc(sizeof(float) * (size_t)count);
+        int64_t xs[4] = {batch, side, side, 8}, i, handed = -1;
+        mpt_tensor tx, p2, p1;
+        mpt_dataset *d2, *d1;
+        int same = 0;
+        test__begin();
+        memset(&p2, 0, sizeof p2), memset(&p1, 0, sizeof p1);
+        plan_train_like(m, 81);
+        plan_train_like(m1, 81);
+        test_seed(82);
+        for (i = 0; i < count; i++) x[i] = (float)test_uniform(-1, 1);
+        mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, xs, x);
+        d2 = test_dataset_of(ctx, &tx, NULL);
+        d1 = test_dataset_of(one, &tx, NULL);
+        if (m && m1 && d2 && d1 && mpt_model_predict(m, d2, batch, &p2) == MPT_OK) {
+            const int64_t at = ctx->pool.handed;
+            mpt_tensor_free(ctx, &p2);
+            if (mpt_model_predict(m, d2, batch, &p2) == MPT_OK) handed = ctx->pool.handed - at;
+            same = mpt_model_predict(m1, d1, batch, &p1) == MPT_OK &&
+                   memcmp(p1.data, p2.data, mpt_tensor_bytes(&p1)) == 0;
+        }
+        CHECK(handed >= 0, "predict: %s", mpt_context_error(ctx));
+        if (round == 0)
+            CHECK(handed == 0, "a batch of 1 handed %lld parallel-fors to the pool",
+                  (long long)handed);
+        else
+            CHECK(handed > 0, "a batch of 64 handed nothing to the pool");
+        CHECK(same, "2 threads predict other bits than 1");
+        test__end("predict's thread rule: a batch of %lld hands %lld parallel-fors to the pool, "
+                  "the bits of 1 thread", (long long)batch, (long long)handed);
+        free(x);
+        mpt_tensor_free(ctx, &p2), mpt_tensor_free(one, &p1);
+        mpt_dataset_destroy(d2), mpt_dataset_destroy(d1);
+        mpt_model_destroy(m), mpt_model_destroy(m1);
+    }
+    mpt_context_destroy(one);
+}
+
 int main(void) {
     mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
     test_seed(3);
@@ -2049,6 +2529,10 @@ int main(void) {
     test_max_pool_scan();
     test_chain_gradients();
     test_half_chain_gradients();
+    test_predict_fold();
+    test_predict_no_fold();
+    test_predict_plan_follows();
+    test_predict_threads();
     mpt_context_destroy(ctx);
     return test_summary("test_conv");
 }

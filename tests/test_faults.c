@@ -690,6 +690,15 @@ static void evaluate_check(fixture *fx, mpt_status s, long k) {
               "request %ld refused, evaluate succeeded: the same loss and accuracy", k);
 }
 
+/* Predict and evaluate keep a plan with the model, made the first time
+   (@impl-predict: its kernels packed ahead, folds), which the model frees
+   with itself: dropped after each run, so that what is counted is what
+   the run leaks, and so that each run makes it again and its requests
+   are refused in turn too. */
+static void plan_teardown(fixture *fx) {
+    mpt__predict_plan_free(fx->m);
+}
+
 static mpt_tensor predicted;
 static blob predict_reference;
 
@@ -730,8 +739,8 @@ static void test_out_of_memory(void) {
          recompile_check, fit_teardown},
         {"mirrored strategy (2 replicas): build, fit, save and load", NULL, mirrored_run,
          mirrored_check, mirrored_teardown},
-        {"evaluate", NULL, evaluate_run, evaluate_check, NULL},
-        {"predict", NULL, predict_run, predict_check, NULL}};
+        {"evaluate", NULL, evaluate_run, evaluate_check, plan_teardown},
+        {"predict", NULL, predict_run, predict_check, plan_teardown}};
     fixture fx;
     mpt_context_desc d;
     mpt_model *other;

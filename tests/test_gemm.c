@@ -561,6 +561,71 @@ static void test_packed_b(void) {
     }
 }
 
+/* A float32 B kept in strips (mpt__gemm_pack_b_strips, as predict keeps a
+   Dense's kernel for a batch of 1 to 4) gives the bits of the few-rows
+   product that reads B in place: 1 to 4 rows, column counts that end a
+   strip of 128 short, in a 64-column strip or on a 16-lane tail, depths
+   of one and several blocks, both A layouts, every epilogue, 1 to 3
+   threads (on the pool from 256 KiB of B). Only the AVX-512 path reads
+   B so; elsewhere nothing is kept. */
+static void test_strips_b(void) {
+    static const struct { int64_t m, n, k; } shapes[] = {
+        {1, 1024, 784}, {1, 128, 5408}, {1, 10, 128}, {2, 200, 33}, {3, 520, 700},
+        {4, 47, 1025}, {1, 300, 513}, {2, 1024, 96}, {1, 64, 7},
+    };
+    mpt_context *ctx[3];
+    int si, t, v, bad = 0, cases = 0;
+    for (t = 0; t < 3; t++) ctx[t] = path_ctx(t + 1, 0);
+    test__begin();
+    for (si = 0; ctx[0] && si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
+        const int64_t m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
+        float *a = (float *)malloc(sizeof(float) * (size_t)(m * k));
+        float *b = (float *)malloc(sizeof(float) * (size_t)(k * n));
+        float *bias = (float *)malloc(sizeof(float) * (size_t)n);
+        float *c0 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+        float *c1 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+        const int avx512 = (mpt_context_cpu_features(ctx[0]) & MPT_CPU_AVX512) != 0;
+        mpt__gemm_packed *p;
+        mpt_gemm_desc d;
+        int64_t i;
+        test_seed(400 + (unsigned)si);
+        for (i = 0; i < m * k; i++) a[i] = (float)test_uniform(-1, 1);
+        for (i = 0; i < k * n; i++) b[i] = (float)test_uniform(-1, 1);
+        for (i = 0; i < n; i++) bias[i] = (float)test_uniform(-1, 1);
+        memset(&d, 0, sizeof d);
+        d.m = m, d.n = n, d.k = k, d.b = b, d.ldb = n, d.c = c0, d.ldc = n;
+        CHECK(mpt__gemm_strips_b(ctx[0], &d) == avx512, "%lld rows: whether B is read in strips",
+              (long long)m);
+        p = mpt__gemm_pack_b_strips(ctx[0], &d);
+        CHECK(!p == !avx512, "%lldx%lldx%lld: strips %s", (long long)m, (long long)n,
+              (long long)k, p ? "made off the few-rows path" : "not made");
+        for (v = 0; p && v < 4; v++)
+            for (t = 0; t < 3; t++) {
+                d.trans_a = v == 1, d.a = a, d.lda = v == 1 ? m : k;
+                d.bias = v == 0 || v == 3 ? bias : NULL;
+                d.activation = v == 0 ? MPT_ACT_RELU : v == 3 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
+                d.alpha = v == 1 ? 0.75f : 0.0f, d.beta = v == 2 ? -0.5f : 0.0f;
+                for (i = 0; i < m * n; i++) c0[i] = c1[i] = (float)(i % 13) * 0.25f;
+                d.c = c0;
+                mpt__gemm(ctx[t], &d);
+                d.c = c1;
+                CHECK(mpt__gemm_packed_fits(ctx[t], &d, p), "the strips do not fit");
+                mpt__gemm_on_packed(ctx[t], &d, p);
+                bad += memcmp(c0, c1, sizeof(float) * (size_t)(m * n)) != 0;
+                cases++;
+            }
+        if (p) { /* five rows are no longer a few: the panels' product, which strips do not fit */
+            d.m = 5;
+            CHECK(!mpt__gemm_packed_fits(ctx[0], &d, p), "strips fit a product of 5 rows");
+        }
+        mpt__gemm_packed_free(ctx[0], p);
+        free(a), free(b), free(bias), free(c0), free(c1);
+    }
+    CHECK(bad == 0, "%d of %d products on B in strips differ", bad, cases);
+    test__end("gemm on B kept in strips bit-identical to reading it in place (%d products)", cases);
+    for (t = 0; t < 3; t++) mpt_context_destroy(ctx[t]);
+}
+
 /* Predict keeps a float32 Dense's kernel packed (mpt__predict_gemm) only
    while the weights stay as they were: after each way they can change
    (a fit, sgd_step, a value set by hand then refresh_weights, a weights
@@ -719,6 +784,7 @@ int main(void) {
     test_few_rows();
     test_half_b();
     test_packed_b();
+    test_strips_b();
     test_predict_plan();
     return test_summary("test_gemm");
 }

@@ -1,7 +1,11 @@
 /* ResNet-20 (He et al. 2016, the CIFAR variant) on Fashion-MNIST, written
    with the functional form, as Keras' functional API writes it: the
    layers (drawn there) are in resnet20.h, which bench/bench_train.c times
-   too. he_normal kernels, Adam 1e-3, batch 128, validation on the last
+   too. he_normal kernels, Adam from 1e-3 decayed to 0 over the run's
+   steps by a cosine (Keras' CosineDecay: the last epochs at a small rate,
+   so the final weights are not one noisy step's; at a constant 1e-3 the
+   test accuracy after 15 epochs swung with the last step: 0.866 where the
+   best epoch's validation read 0.905), batch 128, validation on the last
    10,000 training images.
 
    Build: cc -O2 resnet.c -lpthread -lm -lz -o resnet       (in examples/)
@@ -45,9 +49,15 @@ int main(int argc, char **argv) {
     if (o.load) { /* the architecture, weights and training state from the file */
         TRY(mpt_model_load(ctx, o.load, &model));
     } else {
+        /* every step of the run: epochs of ceil(train / batch) steps */
+        int64_t steps = (int64_t)o.epochs *
+                        ((mpt_dataset_count(train) + o.batch_size - 1) / o.batch_size);
         TRY(build_resnet20(ctx, &o, &model));
         TRY(mpt_model_compile(model, &(mpt_compile_desc){
-            .optimizer = { .type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-3f },
+            .optimizer = { .type = MPT_OPTIMIZER_ADAM, .learning_rate = 1e-3f,
+                           .schedule = { .type = steps > 0 ? MPT_LR_COSINE_DECAY
+                                                           : MPT_LR_CONSTANT,
+                                         .decay_steps = steps } },
             .loss = { .type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY },
             .metrics = MPT_METRIC_ACCURACY }));
         TRY(mpt_model_build(model, o.batch_size));

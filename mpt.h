@@ -35001,6 +35001,22 @@ static int mpt__qconv_takes(const mpt_context *ctx, const mpt__qop *op, mpt__qex
            (double)rb * (double)g->kh <= (double)MPT__THREAD_SCRATCH_BYTES;
 }
 
+
+/* A dynamic-range Conv2D's input x (n samples of op's in_count floats)
+   quantized per sample into w->xq at w->sample_scale, as the product's
+   rows are (*xq, *scale point there); 0 when a sample holds inf or NaN:
+   the caller then leaves the Conv2D to the im2col path. */
+static int mpt__q_dynamic_input(mpt_context *ctx, const mpt__qop *op, const void *x, int64_t n,
+                                mpt__qwork *w, const int8_t **xq, const float **scale) {
+    int64_t r;
+    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
+                                   w->sample_scale);
+    for (r = 0; r < n; r++)
+        if (!(w->sample_scale[r] < INFINITY)) return 0;
+    *xq = w->xq, *scale = w->sample_scale;
+    return 1;
+}
+
 /* Runs Conv2D op (C > 1) of the integer or dynamic pass from its windows
    where mpt__qconv_takes it, each code through `table` first when one is
    given (an absorbed chain's), and with the MaxPooling2D `pool` or the
@@ -35016,7 +35032,7 @@ static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *
                           mpt__qwork *w) {
     const mpt__win *g = &op->g;
     mpt__qconv_job j;
-    int64_t r, fit, want;
+    int64_t fit, want;
     if (!mpt__qconv_takes(ctx, op, ex)) return 0;
     memset(&j, 0, sizeof j);
     j.op = op, j.ctx = ctx, j.x = (const int8_t *)x, j.y = y, j.table = table;
@@ -35037,13 +35053,8 @@ static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *
     want = MPT__MAX(1, MPT__MIN(want, j.orows * j.ocols * j.win * j.win / (2 * j.pix)));
     j.rows = MPT__MIN(fit, (j.orows + want - 1) / want);
     j.parts = (j.orows + j.rows - 1) / j.rows;
-    if (ex == MPT__QX_DYNAMIC) {
-        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
-                                       w->sample_scale);
-        for (r = 0; r < n; r++)
-            if (!(w->sample_scale[r] < INFINITY)) return 0;
-        j.x = w->xq, j.scale = w->sample_scale;
-    }
+    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale))
+        return 0;
     mpt__parallel_for(ctx, n * j.parts, mpt__qconv_task, &j);
     return 1;
 }
@@ -35334,13 +35345,8 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
         for (q = 0; q < per_row; q++) j.off[r * per_row + q] = (int32_t)(r * j.wp + 4 * q);
     need = (j.hp * j.wp + 63) / 64 * 64 + 4 * j.owp * j.npad;
     if ((double)j.hp * (double)j.wp > 1e9 || need > (int64_t)MPT__THREAD_SCRATCH_BYTES) return 0;
-    if (ex == MPT__QX_DYNAMIC) {
-        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
-                                       w->sample_scale);
-        for (r = 0; r < n; r++)
-            if (!(w->sample_scale[r] < INFINITY)) return 0;
-        j.x = w->xq, j.scale = w->sample_scale;
-    }
+    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale))
+        return 0;
     mpt__parallel_for(ctx, n, mpt__q_direct_task, &j);
     *ran_pool = j.pool != NULL;
     return 1;

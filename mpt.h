@@ -1799,14 +1799,23 @@ typedef struct mpt_evaluate_desc {
 /* The loss and the compiled metrics over a whole dataset, into *logs.
    The dataset's sample weights weigh the loss and the weighted_metrics as
    in fit (Keras' evaluate(x, y, sample_weight=w)), on a quantized model
-   too; class_weight is fit's alone. */
+   too; class_weight is fit's alone. On the CPU a float32 model is run as
+   predict runs it (below), so its figures may differ in the last bits
+   from fit's validation of the same weights, which runs the layers one
+   by one. */
 MPTDEF mpt_status mpt_model_evaluate(mpt_model *m, const mpt_dataset *data,
                                      const mpt_evaluate_desc *desc, mpt_logs *logs);
 
 /* The model's float32 outputs for every sample of `data`, in order, into
    out (an owned tensor of shape (n, output shape...); free it with
    mpt_tensor_free), whatever the policy. batch_size 0 means 32. data may
-   hold inputs alone (mpt_dataset_desc.y NULL). */
+   hold inputs alone (mpt_dataset_desc.y NULL). A float32 model on the
+   CPU runs through a plan kept until its weights change
+   (@impl-predict-plan): a BatchNormalization folded into the Dense or
+   Conv2D before it, as the exported files fold it, which rounds
+   otherwise than the layer by layer forward (tests/test_conv.c: within
+   2.5e-5 of the sum of each output's terms' magnitudes, measured 1.7e-7);
+   without a fold, the same bits. */
 MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data,
                                     int64_t batch_size, mpt_tensor *out);
 /* The same for a tensor of inputs, Keras' model.predict(x): x (n, the

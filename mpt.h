@@ -1244,7 +1244,14 @@ MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
    value_dim, output_dim), attention_output/bias (output_dim).
    mpt_model_add_multi_head_attention is self-attention on the layer
    before (query, key and value all its output); the functional form takes
-   the query and value nodes (the same node for self-attention). */
+   the query and value nodes (the same node for self-attention).
+   Memory or recomputation: by default the attention is fused, as Keras'
+   flash attention: the weights P (Tq × Tk per sample and head) are never
+   held whole; backward computes Q·Kᵀ and the softmax again. With
+   no_flash_attention (Keras' flash_attention=False) forward keeps P, in
+   float32, for backward to read: 4·H·Tq·Tk more bytes of activations per
+   sample (mpt_model_memory's), no recomputation; the results are the same
+   bits either way. Inference (predict, generate) keeps nothing. */
 typedef struct mpt_multi_head_attention_desc {
     MPT_LAYER_COMMON_FIELDS;
     int64_t num_heads;                  /* required, > 0                     */
@@ -1260,6 +1267,11 @@ typedef struct mpt_multi_head_attention_desc {
     mpt_initializer kernel_initializer; /* default glorot_uniform            */
     mpt_initializer bias_initializer;   /* default zeros                     */
     uint64_t seed;                      /* dropout's; default 0: the model's */
+    int no_flash_attention;             /* default 0: the fused attention;
+                                           1: P kept from forward for
+                                           backward (Keras'
+                                           flash_attention=False); the CPU
+                                           backend only, CUDA refuses it   */
 } mpt_multi_head_attention_desc;
 
 MPTDEF mpt_status mpt_model_add_multi_head_attention(mpt_model *m,
@@ -3127,7 +3139,9 @@ typedef struct mpt_layernorm_args {
    the same mask and scale, dS = P ∘ (dP − Σ_j P ∘ dP), then dQ = scale ·
    dS · K, dK = scale · dSᵀ · Q, dV = P̃ᵀ · dO, float32, overwritten.
    Nothing of size Tq × Tk per (b, h) need be kept: backward computes S
-   and P again. Every result depends on the shapes alone, not on threads. */
+   and P again, unless probs is given: then forward writes P there and
+   backward reads it instead (the same bits as computing it again). Every
+   result depends on the shapes alone, not on threads. */
 typedef struct mpt_attention_args {
     mpt_dtype dtype;
     int64_t batch, heads;
@@ -3147,6 +3161,10 @@ typedef struct mpt_attention_args {
     void *o;                        /* forward                                */
     const void *d_o;                /* backward: dO, as o                     */
     float *dq, *dk, *dv;            /* backward: as q, k, v, float32          */
+    float *probs;                   /* NULL: P computed again in backward;
+                                       else B·H·Tq·Tk float32 (laid out as
+                                       the backend likes): forward writes P,
+                                       backward reads it                      */
     void *workspace;                /* attention_workspace bytes              */
 } mpt_attention_args;
 
@@ -9379,9 +9397,18 @@ static void mpt__mha_project_back(mpt__layer *L, const mpt__pass *p, int project
     mpt__layer_gemm(p, &gd, MPT_FLOAT32);
 }
 
-/* saved: Q, K, V and O in dtype, then dropout's step. */
+/* saved: Q, K, V and O in dtype, then dropout's step, then with
+   no_flash_attention the weights P (float32). */
 enum { MPT__MHA_SAVED_Q, MPT__MHA_SAVED_K, MPT__MHA_SAVED_V, MPT__MHA_SAVED_O,
-       MPT__MHA_SAVED_STEP };
+       MPT__MHA_SAVED_STEP, MPT__MHA_SAVED_PROBS };
+
+/* Where the attention keeps P for backward: NULL (computed again) unless
+   no_flash_attention. */
+static float *mpt__mha_probs(const mpt__layer *L) {
+    return L->desc.multi_head_attention.no_flash_attention
+               ? (float *)L->saved[MPT__MHA_SAVED_PROBS]
+               : NULL;
+}
 
 static void mpt__mha_forward(mpt__layer *L, const mpt__pass *p) {
     const mpt__mha_sizes z = mpt__mha_sizes_of(p->model, L);
@@ -9403,6 +9430,7 @@ static void mpt__mha_forward(mpt__layer *L, const mpt__pass *p) {
     a.dropout_key = mpt__layer_random_key(L, L->desc.multi_head_attention.seed,
                                           p->model->replica_index);
     a.saved_step = (int64_t *)L->saved[MPT__MHA_SAVED_STEP];
+    a.probs = p->training ? mpt__mha_probs(L) : NULL; /* inference keeps nothing */
     if (!p->training) a.dropout = 0;
     a.workspace = ws;
     p->be->attention_forward(p->impl, &a);
@@ -9501,6 +9529,7 @@ static void mpt__mha_backward(mpt__layer *L, const mpt__pass *p) {
     a.dropout_key = mpt__layer_random_key(L, L->desc.multi_head_attention.seed,
                                           p->model->replica_index);
     a.saved_step = (int64_t *)L->saved[MPT__MHA_SAVED_STEP];
+    a.probs = mpt__mha_probs(L);
     a.workspace = ws;
     p->be->attention_backward(p->impl, &a);
     /* the three input projections, each input's dx summed in float32 */
@@ -9564,6 +9593,28 @@ static mpt_status mpt__mha_check_sizes(mpt_model *m, const mpt__layer *L) {
     return MPT_OK;
 }
 
+/* no_flash_attention's saved P: 4·H·Tq·Tk bytes a sample (activations),
+   on the CPU backend, whose attention alone reads and writes it; another
+   backend's is refused with the field's name. */
+static mpt_status mpt__mha_keep_probs(mpt_model *m, mpt__layer *L, const mpt_backend *be,
+                                      const mpt__mha_sizes *z) {
+    int64_t scores = 0, bytes = 0;
+    if (strcmp(be->name, "cpu") != 0)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "MultiHeadAttention '%s': no_flash_attention (the attention weights "
+                         "kept for backward) is the CPU backend's only; the %s backend's "
+                         "attention computes them again in backward (leave it 0)",
+                         L->name, be->name);
+    if (!mpt__mul_ok(z->T[MPT__MHA_QUERY], z->T[MPT__MHA_KEY], &scores) ||
+        !mpt__mul_ok(scores, 4 * L->desc.multi_head_attention.num_heads, &bytes))
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
+                         "MultiHeadAttention '%s': no_flash_attention's weights (%lld heads of "
+                         "%lld × %lld) are too large",
+                         L->name, (long long)L->desc.multi_head_attention.num_heads,
+                         (long long)z->T[MPT__MHA_QUERY], (long long)z->T[MPT__MHA_KEY]);
+    return mpt__layer_add_saved(m, L, bytes, 0);
+}
+
 static mpt_status mpt__mha_build(mpt_model *m, mpt__layer *L) {
     const mpt_multi_head_attention_desc *d = &L->desc.multi_head_attention;
     mpt__mha_sizes z;
@@ -9595,6 +9646,7 @@ static mpt_status mpt__mha_build(mpt_model *m, mpt__layer *L) {
     MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.v_rows), 0)); /* V */
     MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.o_rows), 0)); /* O */
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 8)); /* dropout's step */
+    if (d->no_flash_attention) MPT__CHECK(mpt__mha_keep_probs(m, L, be, &z)); /* P */
     /* the attention's scratch, then forward's float32 product or
        backward's pieces, whichever is larger */
     a = mpt__mha_attention_args(L, m->max_batch, z.T[MPT__MHA_KEY]);
@@ -9642,6 +9694,7 @@ static const mpt__field mpt__mha_fields[] = {
     MPT__FIELD(mpt_multi_head_attention_desc, kernel_initializer, MPT__FIELD_INITIALIZER),
     MPT__FIELD(mpt_multi_head_attention_desc, bias_initializer, MPT__FIELD_INITIALIZER),
     MPT__FIELD(mpt_multi_head_attention_desc, seed, MPT__FIELD_UINT64),
+    MPT__FIELD(mpt_multi_head_attention_desc, no_flash_attention, MPT__FIELD_INT),
     MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__mha_ops = {
@@ -9687,7 +9740,10 @@ MPTDEF mpt_node mpt_multi_head_attention(mpt_model *m, mpt_node query, mpt_node 
    again instead of keeping them (the forward's memory would grow with
    Tq·Tk per head) and adds the block's share to dK and dV; a task owns a
    whole (sample, head), so the blocks are added in order and every result
-   is the same whatever the thread count. */
+   is the same whatever the thread count. Given probs
+   (no_flash_attention), forward runs the softmax in place there instead
+   of in the scratch, and backward reads those weights where it would
+   have computed them again: the same bits, for memory. */
 
 #define MPT__ATTN_BLOCK 64 /* query rows the CPU takes at a time */
 
@@ -9838,25 +9894,44 @@ static float mpt__attn_drop(const mpt__attn_job *j, int64_t b, int64_t h, int64_
                                                                   : 0.0f;
 }
 
-/* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
-   stride n) holds the raw products Q·Kᵀ and becomes P. Returns P̃
-   (dropout applied) in dtype as the products' operand, zero past each
-   row's last key seen: s.p_op, or P itself where there is no dropout and
-   the dtype is float32 (no copy; nothing writes s.p while P̃ is read). */
-static const void *mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+/* Where the block of rows from i0 of head h of sample b keeps P in
+   a->probs: rows × n (row stride n, as in the scratch) from row i0's
+   place in a (B, H, Tq, Tk) tensor; n <= Tk, so blocks never overlap. */
+static float *mpt__attn_kept(const mpt_attention_args *a, int64_t b, int64_t h, int64_t i0) {
+    return a->probs + ((b * a->heads + h) * a->q_len + i0) * a->kv_len;
+}
+
+/* P̃ (dropout applied) of the block's rows i0 .. i0 + rows from P in s.p
+   (rows × n, row stride n), in dtype as the products' operand, zero past
+   each row's last key seen: s.p_op, or P itself where there is no dropout
+   and the dtype is float32 (no copy; nothing writes s.p while P̃ is read). */
+static const void *mpt__attn_operand(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
                                      int64_t rows, int64_t n, const mpt__attn_scratch *s) {
     const mpt_attention_args *a = j->a;
     int64_t r, c;
-    for (r = 0; r < rows; r++) {
-        float *p = s->p + r * n;
+    for (r = 0; j->dropout && r < rows; r++) { /* the block's P̃, narrowed below */
+        const float *p = s->p + r * n;
         int64_t i = i0 + r, seen = mpt__attn_keys_seen(i, a->kv_len, a->causal, a->causal_offset);
-        mpt__attn_softmax_row(j->ctx->cpu, p, seen, n, a->scale);
-        for (c = 0; j->dropout && c < n; c++) /* the block's P̃, narrowed below */
+        for (c = 0; c < n; c++)
             s->dp[r * n + c] = c < seen ? mpt__attn_drop(j, b, h, i, c, p[c]) : p[c];
     }
     if (!j->dropout && a->dtype == MPT_FLOAT32) return s->p;
     mpt__convert(j->ctx, a->dtype, s->p_op, MPT_FLOAT32, j->dropout ? s->dp : s->p, rows * n);
     return s->p_op;
+}
+
+/* The weights of the block's rows i0 .. i0 + rows: s.p (rows × n, row
+   stride n) holds the raw products Q·Kᵀ and becomes P; returns P̃ as
+   mpt__attn_operand does. */
+static const void *mpt__attn_weights(const mpt__attn_job *j, int64_t b, int64_t h, int64_t i0,
+                                     int64_t rows, int64_t n, const mpt__attn_scratch *s) {
+    const mpt_attention_args *a = j->a;
+    int64_t r;
+    for (r = 0; r < rows; r++)
+        mpt__attn_softmax_row(j->ctx->cpu, s->p + r * n,
+                              mpt__attn_keys_seen(i0 + r, a->kv_len, a->causal, a->causal_offset),
+                              n, a->scale);
+    return mpt__attn_operand(j, b, h, i0, rows, n, s);
 }
 
 /* The keys the block's rows see between them: up to the last row's. */
@@ -9889,6 +9964,7 @@ static void mpt__attn_forward_task(void *arg, int64_t task, int thread) {
     char *o = (char *)mpt__attn_rows(a, a->o, a->q_len, a->value_dim, b, h, i0, es);
     int64_t r;
     const void *p_op;
+    if (a->probs) s.p = mpt__attn_kept(a, b, h, i0); /* P made where backward reads it */
     mpt__attn_scores(j, b, h, i0, rows, n, &s);
     p_op = mpt__attn_weights(j, b, h, i0, rows, n, &s);
     if (a->dtype == MPT_FLOAT32) { /* straight into o's rows */
@@ -10007,8 +10083,13 @@ static void mpt__attn_backward_task(void *arg, int64_t task, int thread) {
         const char *d_o = mpt__attn_rows(a, a->d_o, a->q_len, a->value_dim, b, h, i0, es);
         float *dq = (float *)mpt__attn_rows(a, a->dq, a->q_len, a->key_dim, b, h, i0, 4);
         const void *p_op, *ds_op;
-        mpt__attn_scores(j, b, h, i0, rows, n, &s);
-        p_op = mpt__attn_weights(j, b, h, i0, rows, n, &s);
+        if (a->probs) { /* forward's P */
+            s.p = mpt__attn_kept(a, b, h, i0);
+            p_op = mpt__attn_operand(j, b, h, i0, rows, n, &s);
+        } else {
+            mpt__attn_scores(j, b, h, i0, rows, n, &s);
+            p_op = mpt__attn_weights(j, b, h, i0, rows, n, &s);
+        }
         /* dV += P̃ᵀ · dO;  dP̃ = dO · Vᵀ */
         mpt__attn_gemm(j->ctx, a->dtype, 1, 0, n, a->value_dim, rows, p_op, n, d_o, v_ld, 1.0f,
                        1.0f, dv, v_ld);

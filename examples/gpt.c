@@ -15,6 +15,7 @@
                 [--batch-size 32] [--policy mixed_bfloat16] [--threads N]
                 [--seed 1] [--sample 300] [--verbose 1] [--profile DIR]
                 [--quantize dynamic_int8|float16] [--warmup N] [--cosine ALPHA]
+                [--attention fused|stored]
    AdamW's rate is constant unless --warmup N (a linear warm-up over the
    first N steps, lr·(t + 1)/N) or --cosine ALPHA (a cosine decay from
    1e-3 to ALPHA·1e-3 over the steps after the warm-up, Keras'
@@ -36,7 +37,12 @@
    loss beside the float model's, and both models' predict speed over the
    first PREDICT_WINDOWS validation windows (tokens/s: one warm-up pass
    each, then the best of PREDICT_ROUNDS passes taken in turn, float
-   then quantized), in the JSON line too. full_int8 is refused: the
+   then quantized), in the JSON line too. --attention stored keeps each
+   attention's weights (B, H, T, T) from forward for backward
+   (no_flash_attention, Keras' flash_attention=False: 8 MiB a layer at
+   batch 32) where the default, fused, computes them again; the same bits,
+   memory against time. The JSON line names it, with mpt_model_memory's
+   activations and workspace bytes. full_int8 is refused: the
    int8-only model has no form for the embeddings, LayerNormalization or
    the attention. */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
@@ -65,6 +71,7 @@ typedef struct gpt_options {
     const char *profile_dir; /* NULL: no profile                              */
     const char *quantize_name; /* NULL: no quantized model                    */
     mpt_quantize_mode quantize;
+    const char *attention;   /* "fused" (the default) or "stored"             */
 } gpt_options;
 
 /* A number in [0, 1] (--cosine's floor) into *out; 0 if value is not one. */
@@ -86,6 +93,7 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
         else if (!strcmp(flag, "--policy")) o->policy_name = value;
         else if (!strcmp(flag, "--profile")) o->profile_dir = value;
         else if (!strcmp(flag, "--quantize")) o->quantize_name = value;
+        else if (!strcmp(flag, "--attention")) o->attention = value;
         else if (!strcmp(flag, "--steps") && read_number(argv[0], flag, value, INT32_MAX, &n))
             o->steps = (int64_t)n;
         else if (!strcmp(flag, "--eval-interval") &&
@@ -109,6 +117,7 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
     }
     if (!policy_named(o->policy_name, &o->policy)) i = -1;
     if (o->cosine >= 0 && o->warmup >= o->steps) i = -1; /* no step left to decay over */
+    if (strcmp(o->attention, "fused") && strcmp(o->attention, "stored")) i = -1;
     if (!o->quantize_name) { /* none */
     } else if (!strcmp(o->quantize_name, "dynamic_int8")) {
         o->quantize = MPT_QUANTIZE_DYNAMIC_RANGE;
@@ -125,7 +134,8 @@ static int parse_gpt_options(int argc, char **argv, gpt_options *o) {
                         "mixed_bfloat16]\n"
                         "          [--threads N] [--seed N] [--sample N] [--verbose 0|1|2]\n"
                         "          [--profile DIR] [--quantize dynamic_int8|float16]\n"
-                        "          [--warmup N] [--cosine ALPHA (0..1, below --steps' warm-up)]\n",
+                        "          [--warmup N] [--cosine ALPHA (0..1, below --steps' warm-up)]\n"
+                        "          [--attention fused|stored]\n",
                 argv[0]);
         return 0;
     }
@@ -245,11 +255,12 @@ static mpt_node residual(mpt_model *m, mpt_node x, mpt_node branch) {
     return mpt_add(m, 2, both, NULL);
 }
 
-static mpt_node block(mpt_model *m, mpt_node x) {
+/* stored: the attention's weights kept for backward (--attention). */
+static mpt_node block(mpt_model *m, mpt_node x, int stored) {
     mpt_node h = layer_norm(m, x);
     h = mpt_multi_head_attention(m, h, h, &(mpt_multi_head_attention_desc){
         .num_heads = HEADS, .key_dim = WIDTH / HEADS, .use_causal_mask = 1,
-        .kernel_initializer = MPT_INIT_GPT2_NORMAL });
+        .kernel_initializer = MPT_INIT_GPT2_NORMAL, .no_flash_attention = stored });
     x = residual(m, x, h);
     h = mpt_dense(m, layer_norm(m, x), &(mpt_dense_desc){
         .units = 4 * WIDTH, .activation = MPT_ACT_GELU,
@@ -286,7 +297,7 @@ static mpt_status build_gpt(mpt_context *ctx, const gpt_options *o, mpt_model **
         .embeddings_initializer = MPT_INIT_GPT2_NORMAL });
     x = residual(m, tok, mpt_position_embedding(m, tok, &(mpt_position_embedding_desc){
         .sequence_length = CONTEXT, .initializer = MPT_INIT_GPT2_NORMAL }));
-    for (l = 0; l < LAYERS; l++) x = block(m, x);
+    for (l = 0; l < LAYERS; l++) x = block(m, x, !strcmp(o->attention, "stored"));
     mpt_dense(m, layer_norm(m, x), &(mpt_dense_desc){
         .units = VOCAB, .activation = MPT_ACT_SOFTMAX,
         .kernel_initializer = MPT_INIT_GPT2_NORMAL });
@@ -302,12 +313,13 @@ static mpt_status build_gpt(mpt_context *ctx, const gpt_options *o, mpt_model **
 int main(int argc, char **argv) {
     gpt_options o = { .steps = 1000, .eval_interval = 250, .batch_size = 32,
                       .policy_name = "mixed_bfloat16", .verbose = 1, .seed = 1, .sample = 300,
-                      .cosine = -1 };
+                      .cosine = -1, .attention = "fused" };
     mpt_context *ctx;
     mpt_model *model;
     mpt_dataset *train, *val;
     mpt_logs result;
     mpt_history h;
+    mpt_memory_report memory;
     quantized_result qr = { 0, 0, 0 };
     double tokens_per_s = 0;
     char *text = NULL;
@@ -329,6 +341,7 @@ int main(int argc, char **argv) {
         TRY(mpt_dataset_create_text(ctx, text, size, &td, &train, &val));
     }
     TRY(build_gpt(ctx, &o, &model));
+    TRY(mpt_model_memory(model, &memory));
     if (o.verbose > 1) {
         char summary[16384];
         if (mpt_model_summary(model, summary, sizeof summary)) printf("%s", summary);
@@ -378,6 +391,10 @@ int main(int argc, char **argv) {
            o.policy_name, (long long)o.steps, (int)o.batch_size, CONTEXT,
            mpt_context_num_threads(ctx), tokens_per_s, mpt_logs_get(&result, "loss"),
            mpt_logs_get(&result, "loss") / log(2.0));
+    printf(",\"attention\":\"%s\",\"activation_bytes\":%lld,\"workspace_bytes\":%lld,"
+           "\"memory_bytes\":%lld",
+           o.attention, (long long)memory.activations, (long long)memory.workspace,
+           (long long)memory.total);
     if (o.warmup || o.cosine >= 0)
         printf(",\"warmup\":%lld,\"cosine\":%g", (long long)o.warmup, o.cosine);
     if (o.quantize_name)

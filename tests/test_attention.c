@@ -8,7 +8,12 @@
    value_dim, output_dim, no biases, dropout); Keras' weights; training
    that repeats bit for bit on 1 and 2 threads; a small model that learns
    to copy the token before; model files; bad descriptors and shapes
-   refused with their names; quantization refusing the layer. */
+   refused with their names; quantization refusing the layer. The same
+   with no_flash_attention (the weights P kept from forward): the backend
+   against the reference, the same bits as the fused attention (forward,
+   gradients, training with dropout, on 1 and 2 threads), the layer's
+   gradients against finite differences, P's bytes in mpt_model_memory's
+   activations, the field in model files. */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "gradcheck.h"
@@ -209,7 +214,10 @@ static double attn_tolerance(mpt_dtype dtype, int backward) {
     return backward ? 2e-5 : 2e-6;
 }
 
-static void check_backend_attention(mpt_context *c, const attn_shape *s, mpt_dtype dtype) {
+/* keep: P kept in a probs buffer (poisoned: forward must write it all
+   that backward reads) instead of computed again. */
+static void check_backend_attention(mpt_context *c, const attn_shape *s, mpt_dtype dtype,
+                                    int keep) {
     void *impl;
     const mpt_backend *be = mpt_context_backend(c, &impl);
     int64_t nq = s->B * s->Tq * s->H * s->dk, nk = s->B * s->Tk * s->H * s->dk;
@@ -227,10 +235,10 @@ static void check_backend_attention(mpt_context *c, const attn_shape *s, mpt_dty
     int t;
     snprintf(label, sizeof label,
              "attention %s B=%lld H=%lld Tq=%lld Tk=%lld dk=%lld dv=%lld%s offset %lld "
-             "dropout %g",
+             "dropout %g%s",
              mpt_dtype_name(dtype), (long long)s->B, (long long)s->H, (long long)s->Tq,
              (long long)s->Tk, (long long)s->dk, (long long)s->dv, s->causal ? " causal" : "",
-             (long long)s->offset, (double)s->rate);
+             (long long)s->offset, (double)s->rate, keep ? " P kept" : "");
     memset(&a, 0, sizeof a);
     memset(&state, 0, sizeof state);
     state.step = s->step;
@@ -253,6 +261,11 @@ static void check_backend_attention(mpt_context *c, const attn_shape *s, mpt_dty
     a.v = as_dtype(dtype, v, nv);
     a.o = malloc((size_t)no * mpt_dtype_size(dtype));
     memset(a.o, 0xFF, (size_t)no * mpt_dtype_size(dtype)); /* NaN: every element must be written */
+    if (keep) {
+        size_t bytes = sizeof(float) * (size_t)(s->B * s->H * s->Tq * s->Tk);
+        a.probs = (float *)malloc(bytes);
+        memset(a.probs, 0xFF, bytes);
+    }
     ws_bytes = be->attention_workspace(impl, &a);
     CHECK(ws_bytes >= 0, "%s: workspace %lld", label, (long long)ws_bytes);
     a.workspace = aligned_block((size_t)ws_bytes + 64, 64);
@@ -285,6 +298,7 @@ static void check_backend_attention(mpt_context *c, const attn_shape *s, mpt_dty
         free(g_lib[t]), free(g_ref[t]), free(g[t]);
     }
     free((void *)a.q), free((void *)a.k), free((void *)a.v), free(a.o), free((void *)a.d_o);
+    free(a.probs);
     aligned_block_free(a.workspace);
     free(q), free(k), free(v), free(d_o), free(o_ref), free(o_lib);
 }
@@ -300,13 +314,115 @@ static void test_backend_attention(void) {
         {3, 1, 130, 9, 3, 5, 0, 0, 0, 0, 0},     /* three, against few keys */
         {2, 2, 9, 9, 4, 4, 0, 1, 0.3f, 77, 12},  /* dropout */
         {1, 3, 66, 40, 4, 2, 0, 0, 0.5f, 5, 3}};
-    int d, k;
+    int d, k, keep;
+    for (keep = 0; keep < 2; keep++)
+        for (d = 0; d < 3; d++)
+            for (k = 0; k < (int)(sizeof shapes / sizeof shapes[0]); k++) {
+                test__begin();
+                check_backend_attention(ctx, &shapes[k], dtypes[d], keep);
+                test__end("backend attention %s, shape %d%s", mpt_dtype_name(dtypes[d]), k,
+                          keep ? ", P kept" : "");
+            }
+}
+
+/* One forward and backward of the backend's attention on c: o (in dtype)
+   and dq, dk, dv (float32), fresh; P kept where keep. */
+typedef struct attn_result {
+    void *o;
+    float *g[3];
+} attn_result;
+
+static attn_result run_attention(mpt_context *c, const attn_shape *s, mpt_dtype dtype, int keep,
+                                 const void *const *qkv, const void *d_o) {
+    void *impl;
+    const mpt_backend *be = mpt_context_backend(c, &impl);
+    mpt_attention_args a;
+    mpt_step_state state;
+    attn_result r;
+    int64_t saved_step = -1, no = s->B * s->Tq * s->H * s->dv, count[3];
+    int t;
+    count[0] = count[1] = s->B * s->Tq * s->H * s->dk;
+    count[1] = s->B * s->Tk * s->H * s->dk;
+    count[2] = s->B * s->Tk * s->H * s->dv;
+    memset(&a, 0, sizeof a);
+    memset(&state, 0, sizeof state);
+    state.step = s->step;
+    a.dtype = dtype, a.batch = s->B, a.heads = s->H, a.q_len = s->Tq, a.kv_len = s->Tk;
+    a.key_dim = s->dk, a.value_dim = s->dv, a.scale = (float)(1.0 / sqrt((double)s->dk));
+    a.causal = s->causal, a.causal_offset = s->offset;
+    a.dropout = s->rate, a.dropout_key = s->key, a.state = &state, a.saved_step = &saved_step;
+    a.q = qkv[0], a.k = qkv[1], a.v = qkv[2], a.d_o = d_o;
+    r.o = a.o = malloc((size_t)no * mpt_dtype_size(dtype));
+    if (keep) { /* NaN: what backward reads, forward must have written */
+        size_t bytes = sizeof(float) * (size_t)(s->B * s->H * s->Tq * s->Tk);
+        a.probs = (float *)malloc(bytes);
+        memset(a.probs, 0xFF, bytes);
+    }
+    a.workspace = aligned_block((size_t)be->attention_workspace(impl, &a) + 64, 64);
+    for (t = 0; t < 3; t++) r.g[t] = (float *)malloc(sizeof(float) * (size_t)count[t]);
+    a.dq = r.g[0], a.dk = r.g[1], a.dv = r.g[2];
+    be->attention_forward(impl, &a);
+    be->attention_backward(impl, &a);
+    free(a.probs);
+    aligned_block_free(a.workspace);
+    return r;
+}
+
+/* Whether two results are the same bits; frees both. */
+static int same_results(attn_result x, attn_result y, const attn_shape *s, mpt_dtype dtype) {
+    int64_t no = s->B * s->Tq * s->H * s->dv, count[3];
+    int t, same = memcmp(x.o, y.o, (size_t)no * mpt_dtype_size(dtype)) == 0;
+    count[0] = s->B * s->Tq * s->H * s->dk;
+    count[1] = s->B * s->Tk * s->H * s->dk;
+    count[2] = s->B * s->Tk * s->H * s->dv;
+    for (t = 0; t < 3; t++) {
+        same &= memcmp(x.g[t], y.g[t], sizeof(float) * (size_t)count[t]) == 0;
+        free(x.g[t]), free(y.g[t]);
+    }
+    free(x.o), free(y.o);
+    return same;
+}
+
+/* P kept gives the fused attention's bits, O and dQ, dK, dV (the causal
+   mask, dropout, several query blocks, a cache's offset, each dtype),
+   and the same bits on 1 and 2 threads. */
+static void test_kept_same_bits(void) {
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    /* B, H, Tq, Tk, dk, dv, offset, causal, rate, key, step */
+    static const attn_shape shapes[] = {
+        {2, 2, 6, 6, 8, 3, 0, 1, 0, 0, 0},
+        {1, 2, 3, 7, 5, 6, 4, 1, 0, 0, 0},
+        {1, 2, 140, 140, 16, 8, 0, 1, 0.2f, 9, 4}, /* three query blocks, dropout */
+        {2, 3, 66, 40, 4, 2, 0, 0, 0.5f, 5, 3}};
+    mpt_context *one = NULL;
+    int d, k, t;
+    mpt_context_create(&(mpt_context_desc){.num_threads = 1, .logger = {quiet_logger, NULL}}, &one);
     for (d = 0; d < 3; d++)
         for (k = 0; k < (int)(sizeof shapes / sizeof shapes[0]); k++) {
+            const attn_shape *s = &shapes[k];
+            int64_t count[4];
+            double *x[4];
+            const void *in[4];
             test__begin();
-            check_backend_attention(ctx, &shapes[k], dtypes[d]);
-            test__end("backend attention %s, shape %d", mpt_dtype_name(dtypes[d]), k);
+            count[0] = s->B * s->Tq * s->H * s->dk, count[1] = s->B * s->Tk * s->H * s->dk;
+            count[2] = s->B * s->Tk * s->H * s->dv, count[3] = s->B * s->Tq * s->H * s->dv;
+            for (t = 0; t < 4; t++) {
+                x[t] = random_doubles(count[t], dtypes[d], -2, 2);
+                in[t] = as_dtype(dtypes[d], x[t], count[t]);
+            }
+            CHECK(same_results(run_attention(one, s, dtypes[d], 1, in, in[3]),
+                               run_attention(ctx, s, dtypes[d], 1, in, in[3]), s, dtypes[d]),
+                  "%s shape %d: P kept differs between 1 and 2 threads",
+                  mpt_dtype_name(dtypes[d]), k);
+            CHECK(same_results(run_attention(ctx, s, dtypes[d], 0, in, in[3]),
+                               run_attention(ctx, s, dtypes[d], 1, in, in[3]), s, dtypes[d]),
+                  "%s shape %d: P kept differs from the fused attention", mpt_dtype_name(dtypes[d]),
+                  k);
+            for (t = 0; t < 4; t++) free(x[t]), free((void *)in[t]);
+            test__end("P kept = fused attention, bit for bit, %s shape %d",
+                      mpt_dtype_name(dtypes[d]), k);
         }
+    mpt_context_destroy(one);
 }
 
 /* ---- the layer's gradients ---------------------------------------------------- */
@@ -323,6 +439,7 @@ typedef struct mha_ref {
     float rate;
     const mpt_model *m; /* for dropout's key and step */
     int layer;          /* the attention's index */
+    int keep;           /* no_flash_attention */
 } mha_ref;
 
 /* y (rows, n) = x (rows, k) · w (k, n) + b (n, or NULL) */
@@ -402,6 +519,7 @@ static void check_mha(const mha_ref *shape, mpt_policy policy) {
     md.use_causal_mask = d.causal;
     md.no_bias = !d.bias;
     md.dropout = d.rate;
+    md.no_flash_attention = d.keep;
     CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {d.T, d.D}, .input_rank = 2,
                                                   .policy = policy, .seed = 3}, &m) == MPT_OK,
           "create");
@@ -429,10 +547,10 @@ static void check_mha(const mha_ref *shape, mpt_policy policy) {
     m->step = 17;
     snprintf(label, sizeof label,
              "MultiHeadAttention %s kind %d T=%lld D=%lld H=%lld dk=%lld dv=%lld out=%lld%s%s "
-             "dropout %g",
+             "dropout %g%s",
              mpt_policy_name(policy), d.kind, (long long)d.T, (long long)d.D, (long long)d.H,
              (long long)d.dk, (long long)d.dv, (long long)d.dout, d.causal ? " causal" : "",
-             d.bias ? "" : " no bias", (double)d.rate);
+             d.bias ? "" : " no bias", (double)d.rate, d.keep ? " P kept" : "");
     /* the key's bias (and the Dense's that only makes the key) shifts each
        query's scores alike: its gradient is zero */
     gc_check(ctx, &(gc_case){.model = m, .batch = 3, .training = 1,
@@ -497,18 +615,22 @@ static void test_softmax_row_vector(void) {
 #endif
 }
 
-static void test_mha_gradients(void) {
+static void test_mha_gradients(int keep) {
     /* kind, T, D, H, dk, dv, dout, dv_in, dk_in, causal, bias, rate */
     static const mha_ref shapes[] = {
-        {MHA_SELF, 5, 6, 2, 3, 3, 6, 0, 0, 1, 1, 0, NULL, 0},
-        {MHA_SELF, 4, 5, 3, 2, 4, 3, 0, 0, 0, 1, 0, NULL, 0},
-        {MHA_SELF, 4, 4, 1, 4, 4, 4, 0, 0, 0, 0, 0, NULL, 0},
-        {MHA_SELF, 6, 4, 2, 2, 2, 4, 0, 0, 1, 1, 0.25f, NULL, 0},
-        {MHA_KEY_VALUE, 3, 4, 2, 3, 2, 5, 6, 7, 0, 1, 0, NULL, 0},
-        {MHA_LONGER_VALUE, 3, 4, 2, 2, 3, 4, 0, 0, 1, 1, 0, NULL, 0}};
+        {MHA_SELF, 5, 6, 2, 3, 3, 6, 0, 0, 1, 1, 0, NULL, 0, 0},
+        {MHA_SELF, 4, 5, 3, 2, 4, 3, 0, 0, 0, 1, 0, NULL, 0, 0},
+        {MHA_SELF, 4, 4, 1, 4, 4, 4, 0, 0, 0, 0, 0, NULL, 0, 0},
+        {MHA_SELF, 6, 4, 2, 2, 2, 4, 0, 0, 1, 1, 0.25f, NULL, 0, 0},
+        {MHA_KEY_VALUE, 3, 4, 2, 3, 2, 5, 6, 7, 0, 1, 0, NULL, 0, 0},
+        {MHA_LONGER_VALUE, 3, 4, 2, 2, 3, 4, 0, 0, 1, 1, 0, NULL, 0, 0}};
     int k, p;
     for (p = 0; p < 3; p++)
-        for (k = 0; k < (int)(sizeof shapes / sizeof shapes[0]); k++) check_mha(&shapes[k], policies[p]);
+        for (k = 0; k < (int)(sizeof shapes / sizeof shapes[0]); k++) {
+            mha_ref d = shapes[k];
+            d.keep = keep;
+            check_mha(&d, policies[p]);
+        }
 }
 
 /* ---- Keras' weights ---------------------------------------------------------------- */
@@ -542,7 +664,7 @@ static void test_weights_keras(void) {
               names[p]);
     }
     {
-        int64_t out[4];
+        int64_t out[4] = {0, 0, 0, 0};
         int rank = mpt_model_layer_output_shape(m, 0, out);
         CHECK(rank == 2 && out[0] == 7 && out[1] == 4, "output shape rank %d (%lld, %lld)", rank,
               (long long)out[0], (long long)out[1]);
@@ -584,8 +706,8 @@ static mpt_dataset *copy_dataset(mpt_context *c, int32_t *x, int32_t *y, int64_t
 
 /* ids → Embedding + PositionEmbedding → x + MHA(x, causal) → Dense(V, softmax) per position;
    on the strategy st when not NULL */
-static mpt_model *copy_model_on(mpt_context *c, mpt_policy policy, float dropout,
-                                mpt_strategy *st) {
+static mpt_model *copy_model_with(mpt_context *c, mpt_policy policy, float dropout,
+                                  mpt_strategy *st, int keep) {
     mpt_model *m = NULL;
     mpt_node tok, two[2], h;
     CHECK(mpt_model_create(c,
@@ -606,11 +728,17 @@ static mpt_model *copy_model_on(mpt_context *c, mpt_policy policy, float dropout
     two[1] = mpt_multi_head_attention(
         m, h, h,
         &(mpt_multi_head_attention_desc){
-            .num_heads = 2, .key_dim = 8, .use_causal_mask = 1, .dropout = dropout});
+            .num_heads = 2, .key_dim = 8, .use_causal_mask = 1, .dropout = dropout,
+            .no_flash_attention = keep});
     h = mpt_add(m, 2, two, NULL);
     mpt_dense(m, h, &(mpt_dense_desc){.units = CP_V, .activation = MPT_ACT_SOFTMAX});
     test_compile_classifier(c, m);
     return m;
+}
+
+static mpt_model *copy_model_on(mpt_context *c, mpt_policy policy, float dropout,
+                                mpt_strategy *st) {
+    return copy_model_with(c, policy, dropout, st, 0);
 }
 
 static mpt_model *copy_model(mpt_context *c, mpt_policy policy, float dropout) {
@@ -676,9 +804,69 @@ static mpt_dataset *threads_data(mpt_context *c) {
     return copy_dataset(c, threads_x, threads_y, 128);
 }
 
+static mpt_model *threads_model_kept(mpt_context *c, mpt_policy policy) {
+    return copy_model_with(c, policy, 0.1f, NULL, 1);
+}
+
 static void test_threads_bit_identical(void) {
     copy_data(threads_x, threads_y, 128);
     test_threads_bit_identical_fits(&(test_training){threads_model, threads_data, 2, 32});
+    test_threads_bit_identical_fits(&(test_training){threads_model_kept, threads_data, 2, 32});
+}
+
+/* Training with P kept (dropout 0.1 on the weights, the causal mask)
+   ends with the fused attention's weights, bit for bit, in each policy;
+   P's bytes (4·H·T·T a sample, rounded up to 64) are in the activations
+   alone. */
+static void test_kept_training(void) {
+    int k, keep;
+    copy_data(threads_x, threads_y, 128);
+    for (k = 0; k < 3; k++) {
+        float *w[2] = {NULL, NULL};
+        int64_t size = 0;
+        mpt_memory_report mem[2];
+        test__begin();
+        for (keep = 0; keep < 2; keep++) {
+            mpt_model *m = copy_model_with(ctx, policies[k], 0.1f, NULL, keep);
+            mpt_dataset *d = threads_data(ctx);
+            int p;
+            CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK,
+                  "fit: %s", mpt_context_error(ctx));
+            CHECK(mpt_model_memory(m, &mem[keep]) == MPT_OK, "memory: %s", mpt_context_error(ctx));
+            for (p = 0, size = 0; p < mpt_model_param_count(m); p++) {
+                mpt_param_info info;
+                mpt_model_param(m, p, &info);
+                size += mpt_tensor_count(&info.value);
+            }
+            w[keep] = (float *)calloc((size_t)size, sizeof(float));
+            test_weights_of(m, w[keep], size);
+            if (keep) { /* the last step's P of sample 0, head 0: rows of weights */
+                const float *P = (const float *)m->layers[3].saved[5];
+                int64_t i, j;
+                for (i = 0; i < CP_T; i++) {
+                    double sum = 0;
+                    for (j = 0; j <= i; j++) sum += P[i * CP_T + j];
+                    CHECK(fabs(sum - 1) < 1e-5, "%s: kept P's row %lld sums to %g",
+                          mpt_policy_name(policies[k]), (long long)i, sum);
+                }
+            }
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+        }
+        CHECK(memcmp(w[0], w[1], sizeof(float) * (size_t)size) == 0,
+              "%s: the weights after training with P kept differ from the fused attention's",
+              mpt_policy_name(policies[k]));
+        CHECK(mem[1].activations - mem[0].activations == (4 * 2 * CP_T * CP_T * 32 + 63) / 64 * 64,
+              "%s: P kept adds %lld bytes of activations, expected %d",
+              mpt_policy_name(policies[k]), (long long)(mem[1].activations - mem[0].activations),
+              (4 * 2 * CP_T * CP_T * 32 + 63) / 64 * 64);
+        CHECK(mem[1].workspace == mem[0].workspace && mem[1].parameters == mem[0].parameters,
+              "%s: P kept changed the workspace or parameters", mpt_policy_name(policies[k]));
+        free(w[0]);
+        free(w[1]);
+        test__end("training with P kept = fused, bit for bit, and P in the activations, %s",
+                  mpt_policy_name(policies[k]));
+    }
 }
 
 /* ---- model files ----------------------------------------------------------------------- */
@@ -707,6 +895,17 @@ static void test_model_file(void) {
         mpt_model_destroy(back);
     }
     mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    /* no_flash_attention is in the file */
+    m = copy_model_with(ctx, MPT_POLICY_FLOAT32, 0, NULL, 1);
+    back = NULL;
+    CHECK(mpt_model_build(m, 4) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    snprintf(path, sizeof path, "%s/kept.mpt", tmpdir);
+    CHECK(mpt_model_save(m, path) == MPT_OK, "save: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_load(ctx, path, &back) == MPT_OK, "load: %s", mpt_context_error(ctx));
+    CHECK(back && back->layers[3].desc.multi_head_attention.no_flash_attention == 1,
+          "no_flash_attention not kept in the model file");
+    mpt_model_destroy(back);
     mpt_model_destroy(m);
 }
 
@@ -953,12 +1152,15 @@ static void test_refusals(void) {
 static void cases(void) {
     test_reference_gradients();
     test_backend_attention();
-    test_mha_gradients();
+    test_mha_gradients(0);
+    test_mha_gradients(1);
+    test_kept_same_bits();
     TEST_RUN(test_softmax_row_vector);
     TEST_RUN(test_weights_keras);
     test_learns_copy();
     TEST_RUN(test_mirrored);
     test_threads_bit_identical();
+    test_kept_training();
     TEST_RUN(test_model_file);
     TEST_RUN(test_generate_matches_predict);
     TEST_RUN(test_generate_refusals);

@@ -4422,6 +4422,33 @@ static void test_device_info_of_the_gpu(void) {
 
 /* A model's memory_limit holds on the GPU too: below the plan, build
    fails naming the category; the report's categories sum to its total. */
+/* no_flash_attention (the attention's weights kept for backward) is the
+   CPU backend's alone: build on the GPU refuses it, naming the layer and
+   the field. */
+static void test_model_attention_kept_refused(void) {
+    mpt_context *ctx = gpu_be[GPU_AUTO].ctx;
+    mpt_model *m = NULL;
+    mpt_model_desc md;
+    mpt_multi_head_attention_desc ad;
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = 6;
+    md.input_shape[1] = 4;
+    md.input_rank = 2;
+    if (mpt_model_create(ctx, &md, &m) != MPT_OK) {
+        CHECK(0, "model: %s", mpt_context_error(ctx));
+        return;
+    }
+    memset(&ad, 0, sizeof ad);
+    ad.num_heads = 2;
+    ad.key_dim = 2;
+    ad.no_flash_attention = 1;
+    CHECK(mpt_model_add_multi_head_attention(m, &ad) == MPT_OK, "add: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 4) == MPT_ERR_UNSUPPORTED &&
+              strstr(mpt_context_error(ctx), "'multi_head_attention': no_flash_attention"),
+          "build: %s", mpt_context_error(ctx));
+    mpt_model_destroy(m);
+}
+
 static void test_model_memory_limit_on_the_gpu(void) {
     mpt_context *ctx = gpu_be[GPU_AUTO].ctx;
     mpt_model *m = NULL;
@@ -4731,6 +4758,8 @@ static void run_layer_tests(void) {
               test_device_info_of_the_gpu);
     test__run("model: memory_limit below the plan refuses build on the GPU",
               test_model_memory_limit_on_the_gpu);
+    test__run("model: MultiHeadAttention's no_flash_attention refused on the GPU, named",
+              test_model_attention_kept_refused);
     test__run("relu and its gradient on NaN, inf, ±0, subnormals (CPU's bits)",
               test_relu_special_values);
     test__run("column_sums (float32 <= 1e-5)", test_column_sums);

@@ -13,7 +13,8 @@
        text            a few lines of text, and the bytes 0..255
        model           architecture JSON: a conv model, a graph of every
                        merge, a model of token ids (Embedding,
-                       PositionEmbedding, LayerNormalization, Dense over
+                       PositionEmbedding, LayerNormalization,
+                       MultiHeadAttention keeping its weights, Dense over
                        positions), a model of three inputs (numbers,
                        an image, ids: InputLayers), a model of two
                        outputs (their losses, loss weights and metrics)
@@ -195,14 +196,16 @@ static mpt_model *graph_model(mpt_context *ctx) {
 }
 
 /* A model of token ids: Embedding, PositionEmbedding added, a
-   LayerNormalization and Dense layers over the positions (the tanh GELU),
-   compiled with regression metrics. */
+   LayerNormalization, a causal MultiHeadAttention with dropout that keeps
+   its weights for backward (no_flash_attention) and Dense layers over the
+   positions (the tanh GELU), compiled with regression metrics. */
 static mpt_model *token_model(mpt_context *ctx) {
     mpt_model *m = NULL;
     mpt_model_desc md;
     mpt_embedding_desc emb;
     mpt_position_embedding_desc pos;
     mpt_layer_normalization_desc ln;
+    mpt_multi_head_attention_desc mha;
     mpt_dense_desc dense;
     mpt_compile_desc cd;
     mpt_node two[2];
@@ -223,6 +226,10 @@ static mpt_model *token_model(mpt_context *ctx) {
     two[0] = mpt_embedding(m, mpt_model_input(m), &emb);
     two[1] = mpt_position_embedding(m, two[0], &pos);
     two[0] = mpt_layer_normalization(m, mpt_add(m, 2, two, NULL), &ln);
+    memset(&mha, 0, sizeof mha);
+    mha.num_heads = 2, mha.key_dim = 3, mha.use_causal_mask = 1, mha.dropout = 0.1f;
+    mha.no_flash_attention = 1;
+    two[0] = mpt_multi_head_attention(m, two[0], two[0], &mha);
     dense.units = 6;
     two[0] = mpt_dense(m, two[0], &dense);
     dense.units = 2, dense.activation = MPT_ACT_NONE, dense.dtype = MPT_FLOAT32;

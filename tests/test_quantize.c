@@ -1858,6 +1858,48 @@ static void test_byte_table_lanes(void) {
     mpt_context_destroy(ctx);
 }
 
+/* A Conv2D that absorbs a chain copies its input rows through the
+   chain's per-channel tables (mpt__qconv_table_copy); the AVX-512 copy
+   (16 channels a gather) gives the portable loop's bytes: channel counts
+   below, at and past 16 and 32 (the masked last lanes), 1 to 7 pixels,
+   every code, and nothing written past the copy. The table ends in 4
+   bytes of 0x5a that no output may show, as the gather's last word reads
+   them. */
+static void test_table_copy_lanes(void) {
+    static const int64_t channels[] = {2, 3, 15, 16, 17, 31, 32, 33, 64};
+    static int8_t table[64 * 256 + 4], src[64 * 7];
+    static uint8_t want[64 * 7], got[64 * 7 + 8];
+    mpt_context *ctx = quiet_ctx();
+    int ci, pixels, bad = 0, cases = 0;
+    if (!(mpt_context_cpu_features(ctx) & MPT_CPU_AVX512)) {
+        SKIP("this CPU lacks AVX-512");
+        mpt_context_destroy(ctx);
+        return;
+    }
+#if MPT__X86
+    test_seed(61);
+    for (ci = 0; ci < 9; ci++)
+        for (pixels = 1; pixels <= 7; pixels += 3) {
+            const int64_t C = channels[ci], n = C * pixels;
+            int64_t k;
+            for (k = 0; k < 256 * C; k++) table[k] = (int8_t)test_randint(-128, 127);
+            memset(table + 256 * C, 0x5a, 4);
+            for (k = 0; k < n; k++) /* the first pixels walk through every code */
+                src[k] = (int8_t)(k < 256 ? k - 128 : test_randint(-128, 127));
+            src[n - 1] = 127; /* the last channel's last entry: the table's last word */
+            memset(got, 0xa5, sizeof got);
+            mpt__qconv_table_copy(want, src, pixels, C, table);
+            mpt__qconv_table_copy_avx512(got, src, pixels, C, table);
+            for (k = 0; k < n; k++) bad += got[k] != want[k];
+            for (k = n; k < n + 8; k++) bad += got[k] != 0xa5;
+            cases++;
+        }
+#endif
+    CHECK(cases == 27 && bad == 0, "%d bytes of %d copies differ from the portable loop's", bad,
+          cases);
+    mpt_context_destroy(ctx);
+}
+
 /* A full-integer model reads a uint8 dataset's bytes through a table
    (the byte's normalised float, quantized once): predict and evaluate give
    the bits they give on the same samples as float32, on every model kind,
@@ -3255,6 +3297,7 @@ int main(void) {
     TEST_RUN(test_quantize_input_lanes);
     TEST_RUN(test_symmetric_rows_lanes);
     TEST_RUN(test_byte_table_lanes);
+    TEST_RUN(test_table_copy_lanes);
     TEST_RUN(test_uint8_samples_as_float32);
     TEST_RUN(test_binary_accuracy);
     TEST_RUN(test_weighted_evaluate);

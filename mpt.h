@@ -32695,8 +32695,10 @@ static mpt_status mpt__qgemm_pack(mpt_context *ctx, const mpt_qgemm_desc *d, mpt
 }
 
 /* The product of a checked descriptor with m, n > 0 (and a b_packed of
-   this n, k and ctx's layout). */
-static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
+   this n, k and ctx's layout); plain is mpt__qgemm_is_plain_requant(d),
+   which a caller whose requantization never changes (a quantized model's
+   layer) works out once. */
+static mpt_status mpt__qgemm_run(mpt_context *ctx, const mpt_qgemm_desc *d, int plain) {
     mpt__qgemm_job job;
     mpt_qgemm_packed own;
     int64_t macs;
@@ -32708,7 +32710,7 @@ static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     mpt__qgemm_choose_kernel(&job, ctx->cpu);
     job.kg = job.quads ? (d->k + 3) / 4 : (d->k + 1) / 2;
     job.zu = (int64_t)d->a_zero_point + (d->a_unsigned ? 0 : 128);
-    job.plain_requant = mpt__qgemm_is_plain_requant(d);
+    job.plain_requant = plain;
 #if MPT__X86
     job.rows_in_place = job.kernel == mpt__qgemm_kernel_vnni && d->k >= 4;
 #endif
@@ -32726,6 +32728,10 @@ static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
                       mpt__qgemm_task, &job);
     if (!d->b_packed) mpt__free(ctx, own.bpack);
     return MPT_OK;
+}
+
+static mpt_status mpt__qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    return mpt__qgemm_run(ctx, d, mpt__qgemm_is_plain_requant(d));
 }
 
 /* -----------------------------------------------------------------------------
@@ -32853,6 +32859,20 @@ MPTDEF mpt_status mpt_qgemm(mpt_context *ctx, const mpt_qgemm_desc *d) {
     if (d->b_packed) MPT__CHECK(mpt__qgemm_check_packed(ctx, d));
     else MPT__CHECK(mpt__qgemm_check_b(ctx, d));
     return mpt__qgemm(ctx, d);
+}
+
+/* A quantized model's product: d holds a layer's packed weights,
+   multipliers, shifts, bias and zero points, checked when it was
+   quantized, and the model's own buffers, so mpt_qgemm's checks are left
+   out; they and the plain test scanned every column's multiplier, shift
+   and bias on each call (a tenth of the mlp's full-integer predict of one
+   sample). The packed layout is still checked against the context's.
+   plain: as for mpt__qgemm_run (0 for an int32 c). */
+static mpt_status mpt__qgemm_prepared(mpt_context *ctx, const mpt_qgemm_desc *d, int plain) {
+    if (!d->b_packed) return mpt_qgemm(ctx, d);
+    if (d->m == 0 || d->n == 0) return MPT_OK;
+    MPT__CHECK(mpt__qgemm_check_packed(ctx, d));
+    return mpt__qgemm_run(ctx, d, plain);
 }
 
 MPTDEF mpt_status mpt_qgemm_pack_b(mpt_context *ctx, const mpt_qgemm_desc *d,
@@ -32994,6 +33014,8 @@ typedef struct mpt__qop {
                                   input codes (+ 128), made once as above    */
     int8_t *wq;                /* (N, K) int8 modes                            */
     mpt_qgemm_packed *wpacked; /* wq packed for the context's int8 kernels     */
+    int plain_requant;         /* full integer: mpt__requant_is_plain of its
+                                  shift and bq, worked out as they are made    */
     float *wscale;             /* (N) int8 modes                               */
     mpt_half *wh;              /* (N, K) float16 mode                          */
     mpt_half *wh_kn;           /* (K, N) float16 mode's Dense: wh transposed once, so
@@ -34356,7 +34378,7 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
         if (ex == MPT__QX_DYNAMIC) {
             mpt__qrows_job j;
             d.c = w->acc;
-            MPT__CHECK(mpt_qgemm(ctx, &d));
+            MPT__CHECK(mpt__qgemm_prepared(ctx, &d, 0));
             memset(&j, 0, sizeof j);
             j.op = op, j.rows = rows, j.acc = w->acc, j.row_scale = row_scale, j.y = (float *)y;
             j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
@@ -34371,7 +34393,7 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
         d.c_zero_point = op->info.output.zero_point;
         d.c_min = relu ? op->info.output.zero_point : -128;
         d.c_max = 127;
-        return mpt_qgemm(ctx, &d);
+        return mpt__qgemm_prepared(ctx, &d, op->plain_requant);
     }
 }
 
@@ -36039,6 +36061,7 @@ static mpt_status mpt__q_integer_product(mpt_context *ctx, mpt__qop *op) {
     op->info.bias_int32 = op->bq;
     op->info.multiplier = op->mult;
     op->info.shift = op->shift;
+    op->plain_requant = mpt__requant_is_plain(op->info.depth, N, op->shift, N, op->bq);
     return MPT_OK;
 }
 

@@ -1900,6 +1900,68 @@ static void test_table_copy_lanes(void) {
     mpt_context_destroy(ctx);
 }
 
+/* A full-integer model's Dense and Conv2D products skip mpt_qgemm's
+   checks (mpt__qgemm_prepared), their requantization's plain test made
+   once (mpt__qop.plain_requant): each weighted op's product of 1, 3 and
+   13 rows of random codes (mpt__q_product) gives the bytes mpt_qgemm
+   gives on the descriptor written here from the op's fields, and the
+   cached test is the one mpt_qgemm makes, on 1 and 2 threads. */
+static void test_products_as_public_qgemm(void) {
+    static const int kinds[] = {MODEL_CNN, MODEL_DENSE, MODEL_WIDE, MODEL_RESIDUAL};
+    static const int64_t rows[] = {1, 3, 13};
+    int ki, threads, ri, products = 0, bad = 0, flags = 0;
+    make_samples(33);
+    for (ki = 0; ki < 4; ki++)
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
+            mpt_model *m = make_model(ctx, kinds[ki], 340 + (unsigned)ki);
+            mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+            mpt_model *q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+            int i;
+            test_seed(90 + (unsigned)ki);
+            for (i = 0; q && i < q->quantized->n_ops; i++) {
+                const mpt__qop *op = &q->quantized->ops[i];
+                const int64_t N = op->info.out_channels, K = op->info.depth;
+                if (!mpt__qop_weighted(op)) continue;
+                flags += op->plain_requant != mpt__requant_is_plain(K, N, op->shift, N, op->bq);
+                for (ri = 0; ri < 3; ri++) {
+                    const int64_t M = rows[ri];
+                    int8_t *a = (int8_t *)malloc((size_t)(M * K));
+                    int8_t *got = (int8_t *)malloc((size_t)(M * N));
+                    int8_t *want = (int8_t *)malloc((size_t)(M * N));
+                    mpt_qgemm_desc g;
+                    int64_t k;
+                    for (k = 0; k < M * K; k++) a[k] = (int8_t)test_randint(-128, 127);
+                    memset(&g, 0, sizeof g);
+                    g.m = M, g.n = N, g.k = K, g.a = a, g.lda = K;
+                    g.b = op->wq, g.ldb = K, g.trans_b = 1;
+                    g.a_zero_point = op->info.input.zero_point;
+                    g.bias = op->bq, g.c_int8 = want, g.ldc = N;
+                    g.multiplier = op->mult, g.shift = op->shift, g.per_channel = 1;
+                    g.c_zero_point = op->info.output.zero_point;
+                    g.c_min = op->info.activation == MPT_ACT_RELU ? op->info.output.zero_point
+                                                                  : -128;
+                    g.c_max = 127;
+                    CHECK(mpt_qgemm(ctx, &g) == MPT_OK, "qgemm: %s", mpt_context_error(ctx));
+                    CHECK(mpt__q_product(ctx, q->quantized, i, MPT__QX_INTEGER, a, M, NULL, got,
+                                         NULL) == MPT_OK,
+                          "product: %s", mpt_context_error(ctx));
+                    bad += memcmp(got, want, (size_t)(M * N)) != 0;
+                    products++;
+                    free(a), free(got), free(want);
+                }
+            }
+            CHECK(q != NULL, "model %d: quantize failed", kinds[ki]);
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+        }
+    CHECK(products >= 4 * 2 * 3 * 2 && bad == 0 && flags == 0,
+          "%d of %d products differ from mpt_qgemm's, %d cached plain tests differ", bad,
+          products, flags);
+}
+
 /* A full-integer model reads a uint8 dataset's bytes through a table
    (the byte's normalised float, quantized once): predict and evaluate give
    the bits they give on the same samples as float32, on every model kind,
@@ -3298,6 +3360,7 @@ int main(void) {
     TEST_RUN(test_symmetric_rows_lanes);
     TEST_RUN(test_byte_table_lanes);
     TEST_RUN(test_table_copy_lanes);
+    TEST_RUN(test_products_as_public_qgemm);
     TEST_RUN(test_uint8_samples_as_float32);
     TEST_RUN(test_binary_accuracy);
     TEST_RUN(test_weighted_evaluate);

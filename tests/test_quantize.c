@@ -1962,6 +1962,36 @@ static void test_products_as_public_qgemm(void) {
           products, flags);
 }
 
+/* The table a full-integer model reads a uint8 dataset's bytes through
+   (mpt__q_byte_table: AVX-512 where the CPU has it) holds each byte's
+   float quantized one by one (mpt__q_quantize): [0, 1] and [-1, 1]
+   normalisations and values on the ties, under scales and zero points
+   that clamp some of them, and a NaN. */
+static void test_byte_table_values(void) {
+    static const float scales[] = {1.0f / 255.0f, 2.0f / 255.0f, 0.5f, 1.0f / 1024.0f};
+    static const int zero_points[] = {-128, 0, 5, 127};
+    mpt_context *ctx = quiet_ctx();
+    float f[256];
+    int8_t got[256];
+    int si, zi, form, v, bad = 0;
+    for (form = 0; form < 3; form++)
+        for (si = 0; si < 4; si++)
+            for (zi = 0; zi < 4; zi++) {
+                mpt_quant_params p;
+                memset(&p, 0, sizeof p);
+                p.scale = scales[si], p.zero_point = zero_points[zi];
+                for (v = 0; v < 256; v++)
+                    f[v] = form == 0   ? (float)v / 255.0f
+                           : form == 1 ? (float)v / 127.5f - 1.0f
+                                       : ((float)(v - 128) + 0.5f) * p.scale; /* ties */
+                if (form == 2) f[7] = NAN;
+                mpt__q_byte_table(ctx, &p, f, got);
+                for (v = 0; v < 256; v++) bad += got[v] != mpt__q_quantize(f[v], &p);
+            }
+    CHECK(bad == 0, "%d entries of 48 tables differ from mpt__q_quantize's", bad);
+    mpt_context_destroy(ctx);
+}
+
 /* A full-integer model reads a uint8 dataset's bytes through a table
    (the byte's normalised float, quantized once): predict and evaluate give
    the bits they give on the same samples as float32, on every model kind,
@@ -3361,6 +3391,7 @@ int main(void) {
     TEST_RUN(test_byte_table_lanes);
     TEST_RUN(test_table_copy_lanes);
     TEST_RUN(test_products_as_public_qgemm);
+    TEST_RUN(test_byte_table_values);
     TEST_RUN(test_uint8_samples_as_float32);
     TEST_RUN(test_binary_accuracy);
     TEST_RUN(test_weighted_evaluate);

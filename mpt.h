@@ -32979,6 +32979,17 @@ typedef enum mpt__qexec {
     MPT__QX_INTEGER
 } mpt__qexec;
 
+/* A direct convolution's workspace (MPT_CONV_DIRECT_WS_BYTES) kept from
+   one call to the next: once a call has prepared its kernel there
+   (Winograd's U, or the tiles' packed kernel), `kept` says so and later
+   calls read it (mpt_conv_args.ws_kept), as predict's plan does for the
+   float32 model. Made again on every call, U was a fifth of the seed cnn's
+   float16 predict of one sample. */
+typedef struct mpt__q_kept_ws {
+    int kept;
+    unsigned char *bytes;
+} mpt__q_kept_ws;
+
 typedef struct mpt__qop {
     mpt_quantized_layer info;  /* the public view: its pointers are the arrays below */
     char name[64], folded[64];
@@ -33024,6 +33035,9 @@ typedef struct mpt__qop {
                                   counted in size_bytes: what a predict holds) */
     float *kernel;             /* (kh, kw, C, F) float16 mode's Conv2D: wh widened
                                   once into the direct convolution's layout    */
+    struct mpt__q_kept_ws *conv_ws; /* float16 mode's Conv2D: the direct product's
+                                  workspace, kept from call to call (not counted
+                                  in size_bytes), or NULL                       */
     int32_t *bq, *mult, *shift; /* (N) each, full integer                      */
     uint8_t *direct_w;         /* int8 one-channel conv from the image
                                   (mpt__q_direct_prepare): (groups, npad, 4) taps, or NULL */
@@ -33124,6 +33138,8 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->wh);
     mpt__free(ctx, op->wh_kn);
     mpt__free(ctx, op->kernel);
+    if (op->conv_ws) mpt__free(ctx, op->conv_ws->bytes);
+    mpt__free(ctx, op->conv_ws);
     mpt__free(ctx, op->bq);
     mpt__free(ctx, op->mult);
     mpt__free(ctx, op->shift);
@@ -34412,12 +34428,14 @@ static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized 
    direct convolution (a one-channel image's shallow kernel, Winograd for
    3×3, tiles without im2col), on its kernel widened once into the
    (kh, kw, C, F) layout that takes (mpt__q_float16_prepare), its workspace
-   in the cols buffer; returns whether it ran (no: another activation, a
-   workspace too large, or a case conv_direct declines, which then runs
-   through im2col). The sums' order is conv_direct's, as in the float32
-   model, not the im2col product's. The workspace starts past room for the
-   kernel, as when the kernel was widened there every call, so that the
-   same convolutions take this path as before. */
+   the op's own (conv_ws: the kernel conv_direct prepares there, Winograd's
+   U, made by the first call that runs and read by the later ones);
+   returns whether it ran (no: another activation, a workspace too large,
+   or a case conv_direct declines, which then runs through im2col). The
+   sums' order is conv_direct's, as in the float32 model, not the im2col
+   product's. A workspace that would not fit past room for the kernel in
+   the cols buffer still declines, as when the kernel was widened there
+   every call, so that the same convolutions take this path as before. */
 static int mpt__q_conv_float16_direct(mpt_context *ctx, const mpt__quantized *Q,
                                       const mpt__qop *op, const void *x, void *y, int64_t n,
                                       mpt__qwork *w) {
@@ -34425,14 +34443,18 @@ static int mpt__q_conv_float16_direct(mpt_context *ctx, const mpt__quantized *Q,
     const int64_t cols_bytes = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
     const int64_t kernel_bytes = (4 * K * N + 63) / 64 * 64;
     mpt_conv_args a;
+    int ran;
     if ((op->info.activation != MPT_ACT_NONE && op->info.activation != MPT_ACT_RELU) ||
         kernel_bytes + (int64_t)MPT_CONV_DIRECT_WS_BYTES(K, op->g.c, N) > cols_bytes)
         return 0;
     memset(&a, 0, sizeof a);
     a.g = &op->g, a.dtype = MPT_FLOAT32, a.n = n, a.f = N;
     a.x = x, a.kernel = op->kernel, a.bias = op->bias, a.act = op->info.activation, a.y = y;
-    a.ws = (unsigned char *)w->cols + kernel_bytes;
-    return mpt__cpu_conv_direct(ctx, &a);
+    a.ws = op->conv_ws ? op->conv_ws->bytes : (unsigned char *)w->cols + kernel_bytes;
+    a.ws_kept = op->conv_ws && op->conv_ws->kept;
+    ran = mpt__cpu_conv_direct(ctx, &a);
+    if (op->conv_ws) op->conv_ws->kept = ran; /* (declined: nothing prepared) */
+    return ran;
 }
 
 /* Conv2D: chunks of samples through im2col and the product (float16: the
@@ -36273,7 +36295,14 @@ static mpt_status mpt__q_float16_prepare(mpt_context *ctx, mpt__qop *op) {
     for (f = 0; s == MPT_OK && f < N; f++) /* (F, kh, kw, C) to (kh, kw, C, F) */
         for (k = 0; k < K; k++) op->kernel[k * N + f] = wide[f * K + k];
     mpt__free(ctx, wide);
-    return s;
+    if (s != MPT_OK) return s;
+    op->conv_ws = (mpt__q_kept_ws *)mpt__calloc(ctx, sizeof *op->conv_ws);
+    if (op->conv_ws)
+        op->conv_ws->bytes = (unsigned char *)mpt__alloc(
+            ctx, (size_t)MPT_CONV_DIRECT_WS_BYTES(K, op->g.c, N));
+    if (!op->conv_ws || !op->conv_ws->bytes)
+        return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+    return MPT_OK;
 }
 
 /* The weights in the mode's form; the float32 copies go (float16 and

@@ -2400,7 +2400,10 @@ static void test_small_conv_scalar_reference(void) {
    its widened kernel (mpt__q_conv_float16_direct): the float16 model of a
    float model whose weights are float16 values already predicts the
    float model's bits, on shapes that take the one-channel kernel,
-   Winograd's 3×3 and the tiles, with and without ReLU, on 1 and 2 threads. */
+   Winograd's 3×3 and the tiles, with and without ReLU, on 1 and 2 threads;
+   and again on the next calls (batches of 1, then all), which read the
+   kernel the first one prepared (conv_ws, kept: the one-channel and
+   Winograd cases). */
 static void test_float16_conv_direct(void) {
     static const struct { int64_t h, w, c, filters, k, stride; mpt_padding pad; int relu; } cases[] = {
         {28, 28, 1, 32, 3, 1, MPT_PADDING_VALID, 1},
@@ -2448,6 +2451,26 @@ static void test_float16_conv_direct(void) {
             CHECK(a.data && b.data && diff == 0,
                   "case %d, %d threads: %d of %lld outputs differ from the float32 model's", ci,
                   threads, diff, (long long)mpt_tensor_count(&a));
+            /* the kernel the first call prepared (Winograd's U, the shallow
+               kernel's) kept and read by the next calls: a batch of 1 first,
+               then the whole batch again, the same outputs */
+            CHECK(!q || ci == 2 || /* (the 5×5 stride-2 one declines: im2col) */
+                      (q->quantized->ops[0].conv_ws && q->quantized->ops[0].conv_ws->kept),
+                  "case %d: the Conv2D's prepared kernel was not kept", ci);
+            for (k = 0; k < 2; k++) {
+                mpt_tensor c;
+                int64_t e;
+                memset(&c, 0, sizeof c);
+                diff = 0;
+                CHECK(q && mpt_model_predict(q, d, k == 0 ? 1 : N, &c) == MPT_OK,
+                      "predict float16 again: %s", mpt_context_error(ctx));
+                for (e = 0; a.data && c.data && e < mpt_tensor_count(&a); e++)
+                    diff += ((float *)a.data)[e] != ((float *)c.data)[e];
+                CHECK(a.data && c.data && diff == 0,
+                      "case %d, %d threads, call %d: %d outputs differ with the kept kernel", ci,
+                      threads, (int)k + 2, diff);
+                mpt_tensor_free(ctx, &c);
+            }
             mpt_tensor_free(ctx, &a);
             mpt_tensor_free(ctx, &b);
             mpt_model_destroy(q);

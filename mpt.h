@@ -4290,6 +4290,11 @@ typedef struct mpt__pass {
     int logits_only; /* the last layer's softmax is left to the loss (fit
                         fuses softmax and crossentropy): forward and
                         backward skip it                                     */
+    void *kept_ws;   /* predict's plan (@impl-predict-plan): a Conv2D's own
+                        direct-product workspace (MPT_CONV_DIRECT_WS_BYTES),
+                        kept from call to call, where *kept says it holds the
+                        prepared kernel; NULL in every other pass          */
+    int *kept;
 } mpt__pass;
 
 /* Which layer a table is, for the code that translates each layer into
@@ -6862,12 +6867,19 @@ static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p) {
     mpt__conv_pool_setup(L, p->model->max_batch, p->be, p->impl, &c, &pg, off);
     n = mpt__conv_pool_chunk(&c);
     for (b0 = 0; b0 < p->batch; b0 += n) {
+        /* the kernel the direct product prepares: the previous chunk's, or
+           predict's from an earlier call (p->kept_ws) */
+        void *ws = p->kept_ws ? p->kept_ws : q.workspace;
+        const int kept = b0 != 0 || (p->kept_ws && *p->kept);
         q.batch = MPT__MIN(n, p->batch - b0);
         q.x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c.es;
         q.y = scratch + off[MPT__CP_Y];
-        if (!mpt__conv2d_direct(L, &q, &c, 0, q.x, q.y, q.batch, q.workspace, b0 != 0)) {
+        if (!mpt__conv2d_direct(L, &q, &c, 0, q.x, q.y, q.batch, ws, kept)) {
+            if (p->kept_ws) *p->kept = 0;
             if (b0 == 0) return 0;
             mpt__conv2d_forward_batch(L, &q);
+        } else if (p->kept_ws) {
+            *p->kept = 1;
         }
         p->be->pool_forward(p->impl, MPT_POOL_MAX, &pg, P->dtype, q.y,
                             (unsigned char *)P->y + (size_t)(b0 * P->out_count) * c.es,
@@ -18040,9 +18052,19 @@ static mpt__layer *mpt__plan_fusable_relu(mpt_model *m, int j) {
                : NULL;
 }
 
+/* A Conv2D's workspace for its direct product's prepared kernel (its
+   window's input channels: kk = kh·kw·C), kept from call to call. */
+static void mpt__plan_conv_ws(mpt_model *m, mpt__plan_layer *s, const mpt__layer *L) {
+    mpt__conv_plan c;
+    mpt__conv_plan_init(&c, L, 1, m->be);
+    s->conv_ws = mpt__alloc(m->ctx, (size_t)MPT_CONV_DIRECT_WS_BYTES(c.kk, c.g.c, c.f));
+    if (!s->conv_ws) mpt__plan_short(m, "a Conv2D's prepared kernel");
+}
+
 /* Layer i, a float32 Conv2D or Dense: whether the plan runs it (its
    activation fuses into the products: a Conv2D that runs its
-   MaxPooling2D keeps its own forward), and what it folds in. */
+   MaxPooling2D keeps its own forward, whose direct product's kernel the
+   plan keeps), and what it folds in. */
 static void mpt__plan_weighted(mpt_model *m, mpt__predict_plan *pl, int i) {
     mpt__layer *L = &m->layers[i], *B, *A;
     mpt__plan_layer *s = &pl->layers[i];
@@ -18051,18 +18073,19 @@ static void mpt__plan_weighted(mpt_model *m, mpt__predict_plan *pl, int i) {
     const mpt_activation act = mpt__layer_activation(L);
     int64_t kk;
     if (!conv && L->ops->kind != MPT__LAYER_DENSE) return;
+    if (conv && L->dtype == MPT_FLOAT32 && L->pools_next) {
+        /* its own forward runs the pair; the plan keeps only its kernel
+           (mpt__pass.kept_ws) */
+        mpt__plan_conv_ws(m, s, L);
+        return;
+    }
     if (L->dtype != MPT_FLOAT32 || L->pools_next || mpt__activation_keeps_z(act) ||
         act == MPT_ACT_SOFTMAX)
         return;
     kk = L->param[0]->count / channels; /* the kernel's rows: kh·kw·C, or in */
     s->planned = 1;
     s->act = act;
-    if (conv) { /* (its window's input channels: kk = kh·kw·C) */
-        mpt__conv_plan c;
-        mpt__conv_plan_init(&c, L, 1, m->be);
-        s->conv_ws = mpt__alloc(m->ctx, (size_t)MPT_CONV_DIRECT_WS_BYTES(c.kk, c.g.c, c.f));
-        if (!s->conv_ws) mpt__plan_short(m, "a Conv2D's prepared kernel");
-    }
+    if (conv) mpt__plan_conv_ws(m, s, L);
     if (act != MPT_ACT_NONE) return;
     B = mpt__plan_sole_reader(m, i + 1);
     if (B && B->ops->kind == MPT__LAYER_BATCH_NORMALIZATION && B->dtype == MPT_FLOAT32) {
@@ -18319,12 +18342,15 @@ static void mpt__predict_forward(mpt_model *m, const mpt_tensor *x) {
         }
         pool->solo = (double)w.p.batch * s->ns_sample + s->ns_call < MPT_PREDICT_SOLO_NS;
         L = mpt__forward_prepare(m, i, &w);
-        if (s->planned)
+        if (s->planned) {
             mpt__predict_weighted(m, L, &w.p, s);
-        else if (s->add_relu)
+        } else if (s->add_relu) {
             mpt__predict_add_relu(m, L, &w.p, s);
-        else
+        } else { /* (a Conv2D that runs its MaxPooling2D: with its kept kernel) */
+            w.p.kept_ws = s->conv_ws, w.p.kept = &s->conv_kept;
             L->ops->forward(L, &w.p);
+            w.p.kept_ws = NULL, w.p.kept = NULL;
+        }
         pool->solo = 0;
         mpt__forward_finish(L, &w);
     }

@@ -17902,7 +17902,9 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
                   B), made by the first call in the plan's buffer and read
                   by the later ones (mpt_conv_args.ws_kept): the same bits
                   (a ResNet-20's batch of 1 spent a quarter of its time
-                  transforming kernels);
+                  transforming kernels); a Conv2D that runs the
+                  MaxPooling2D after it keeps its own forward, handed
+                  its buffer (mpt__pass.kept_ws);
      folds        a BatchNormalization whose input is a Conv2D's or a
                   Dense's that ends without an activation, where it is
                   that output's only reader and neither output is one of

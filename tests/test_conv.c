@@ -2455,6 +2455,79 @@ static void test_predict_plan_follows(void) {
     mpt_model_destroy(m);
 }
 
+/* A Conv2D that runs the MaxPooling2D after it keeps its own forward in
+   predict's plan, but the kernel its direct product prepares (Winograd's
+   U here: 16 channels in and out, 3×3) is kept from call to call
+   (mpt__pass.kept_ws): every predict, batches of 1 then of 3, gives the
+   bits of the same weights with a Dropout between the two (the pair
+   apart: the plan's own Conv2D, then the pooling), and the plan says it
+   kept the kernel. */
+static mpt_model *pair_model(mpt_context *c, int apart) {
+    mpt_model *m = NULL;
+    mpt_pool2d_desc pool;
+    memset(&pool, 0, sizeof pool);
+    pool.pool_size[0] = pool.pool_size[1] = 2;
+    mpt_model_create(c, &(mpt_model_desc){.input_shape = {8, 8, 16}, .input_rank = 3,
+                                          .seed = 5}, &m);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 16, .kernel_size = {3, 3},
+                                               .padding = MPT_PADDING_SAME,
+                                               .activation = MPT_ACT_RELU});
+    if (apart) mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = 0.25f});
+    mpt_model_add_max_pooling2d(m, &pool);
+    mpt_model_add_flatten(m, NULL);
+    mpt_model_add_dense(m, &(mpt_dense_desc){.units = 5});
+    if (mpt_model_build(m, 3) != MPT_OK) {
+        mpt_model_destroy(m);
+        return NULL;
+    }
+    return m;
+}
+
+static void test_predict_pair_kept(void) {
+    mpt_context *c = ctx;
+    mpt_model *m = pair_model(c, 0), *apart = pair_model(c, 1);
+    float x[3 * 8 * 8 * 16];
+    int32_t y[3] = {0, 1, 2};
+    mpt_tensor want, got;
+    mpt_dataset *d;
+    int64_t i;
+    int call, same = 0, kept = 0;
+    test__begin();
+    memset(&want, 0, sizeof want);
+    test_seed(83);
+    for (i = 0; i < 3 * 8 * 8 * 16; i++) x[i] = (float)test_uniform(-1, 1);
+    {
+        int64_t shape[4] = {3, 8, 8, 16}, ys[1] = {3};
+        mpt_tensor tx, ty;
+        mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, shape, x);
+        mpt_tensor_wrap(c, &ty, MPT_INT32, 1, ys, y);
+        d = test_dataset_of(c, &tx, &ty);
+    }
+    for (i = 0; m && apart && i < mpt_model_param_count(m); i++) {
+        mpt_param_info a, b;
+        mpt_model_param(m, i, &a);
+        mpt_model_param(apart, i, &b);
+        memcpy(b.value.data, a.value.data, mpt_tensor_bytes(&a.value));
+    }
+    CHECK(m && apart && d && m->layers[0].pools_next &&
+              mpt_model_predict(apart, d, 3, &want) == MPT_OK,
+          "the models: %s", mpt_context_error(c));
+    for (call = 0; call < 3 && want.data; call++) {
+        memset(&got, 0, sizeof got);
+        if (mpt_model_predict(m, d, call == 2 ? 3 : 1, &got) == MPT_OK)
+            same += memcmp(got.data, want.data, mpt_tensor_bytes(&want)) == 0;
+        mpt_tensor_free(c, &got);
+        kept += m->predict_plan && m->predict_plan->layers[0].conv_kept;
+    }
+    CHECK(same == 3 && kept == 3,
+          "%d of 3 predicts give the pair apart's bits; the kernel kept after %d", same, kept);
+    test__end("predict's plan keeps the prepared kernel of a Conv2D that runs its MaxPooling2D");
+    mpt_tensor_free(c, &want);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_model_destroy(apart);
+}
+
 /* The thread rule (@impl-predict): a batch of 1 of a small model runs
    every layer on the calling thread (no parallel-for handed to the pool,
    though its Conv2D has several tasks), a batch of 64 of a larger one
@@ -2533,6 +2606,7 @@ int main(void) {
     test_predict_no_fold();
     test_predict_plan_follows();
     test_predict_threads();
+    test_predict_pair_kept();
     mpt_context_destroy(ctx);
     return test_summary("test_conv");
 }

@@ -1858,6 +1858,140 @@ static void test_byte_table_lanes(void) {
     mpt_context_destroy(ctx);
 }
 
+/* A Conv2D that absorbs a chain copies its input rows through the
+   chain's per-channel tables (mpt__qconv_table_copy); the AVX-512 copy
+   (16 channels a gather) gives the portable loop's bytes: channel counts
+   below, at and past 16 and 32 (the masked last lanes), 1 to 7 pixels,
+   every code, and nothing written past the copy. The table ends in 4
+   bytes of 0x5a that no output may show, as the gather's last word reads
+   them. */
+static void test_table_copy_lanes(void) {
+    static const int64_t channels[] = {2, 3, 15, 16, 17, 31, 32, 33, 64};
+    static int8_t table[64 * 256 + 4], src[64 * 7];
+    static uint8_t want[64 * 7], got[64 * 7 + 8];
+    mpt_context *ctx = quiet_ctx();
+    int ci, pixels, bad = 0, cases = 0;
+    if (!(mpt_context_cpu_features(ctx) & MPT_CPU_AVX512)) {
+        SKIP("this CPU lacks AVX-512");
+        mpt_context_destroy(ctx);
+        return;
+    }
+#if MPT__X86
+    test_seed(61);
+    for (ci = 0; ci < 9; ci++)
+        for (pixels = 1; pixels <= 7; pixels += 3) {
+            const int64_t C = channels[ci], n = C * pixels;
+            int64_t k;
+            for (k = 0; k < 256 * C; k++) table[k] = (int8_t)test_randint(-128, 127);
+            memset(table + 256 * C, 0x5a, 4);
+            for (k = 0; k < n; k++) /* the first pixels walk through every code */
+                src[k] = (int8_t)(k < 256 ? k - 128 : test_randint(-128, 127));
+            src[n - 1] = 127; /* the last channel's last entry: the table's last word */
+            memset(got, 0xa5, sizeof got);
+            mpt__qconv_table_copy(want, src, pixels, C, table);
+            mpt__qconv_table_copy_avx512(got, src, pixels, C, table);
+            for (k = 0; k < n; k++) bad += got[k] != want[k];
+            for (k = n; k < n + 8; k++) bad += got[k] != 0xa5;
+            cases++;
+        }
+#endif
+    CHECK(cases == 27 && bad == 0, "%d bytes of %d copies differ from the portable loop's", bad,
+          cases);
+    mpt_context_destroy(ctx);
+}
+
+/* A full-integer model's Dense and Conv2D products skip mpt_qgemm's
+   checks (mpt__qgemm_prepared), their requantization's plain test made
+   once (mpt__qop.plain_requant): each weighted op's product of 1, 3 and
+   13 rows of random codes (mpt__q_product) gives the bytes mpt_qgemm
+   gives on the descriptor written here from the op's fields, and the
+   cached test is the one mpt_qgemm makes, on 1 and 2 threads. */
+static void test_products_as_public_qgemm(void) {
+    static const int kinds[] = {MODEL_CNN, MODEL_DENSE, MODEL_WIDE, MODEL_RESIDUAL};
+    static const int64_t rows[] = {1, 3, 13};
+    int ki, threads, ri, products = 0, bad = 0, flags = 0;
+    make_samples(33);
+    for (ki = 0; ki < 4; ki++)
+        for (threads = 1; threads <= 2; threads++) {
+            mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
+            mpt_model *m = make_model(ctx, kinds[ki], 340 + (unsigned)ki);
+            mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+            mpt_model *q = quantize(m, MPT_QUANTIZE_FULL_INTEGER, d, MPT_DTYPE_DEFAULT);
+            int i;
+            test_seed(90 + (unsigned)ki);
+            for (i = 0; q && i < q->quantized->n_ops; i++) {
+                const mpt__qop *op = &q->quantized->ops[i];
+                const int64_t N = op->info.out_channels, K = op->info.depth;
+                if (!mpt__qop_weighted(op)) continue;
+                flags += op->plain_requant != mpt__requant_is_plain(K, N, op->shift, N, op->bq);
+                for (ri = 0; ri < 3; ri++) {
+                    const int64_t M = rows[ri];
+                    int8_t *a = (int8_t *)malloc((size_t)(M * K));
+                    int8_t *got = (int8_t *)malloc((size_t)(M * N));
+                    int8_t *want = (int8_t *)malloc((size_t)(M * N));
+                    mpt_qgemm_desc g;
+                    int64_t k;
+                    for (k = 0; k < M * K; k++) a[k] = (int8_t)test_randint(-128, 127);
+                    memset(&g, 0, sizeof g);
+                    g.m = M, g.n = N, g.k = K, g.a = a, g.lda = K;
+                    g.b = op->wq, g.ldb = K, g.trans_b = 1;
+                    g.a_zero_point = op->info.input.zero_point;
+                    g.bias = op->bq, g.c_int8 = want, g.ldc = N;
+                    g.multiplier = op->mult, g.shift = op->shift, g.per_channel = 1;
+                    g.c_zero_point = op->info.output.zero_point;
+                    g.c_min = op->info.activation == MPT_ACT_RELU ? op->info.output.zero_point
+                                                                  : -128;
+                    g.c_max = 127;
+                    CHECK(mpt_qgemm(ctx, &g) == MPT_OK, "qgemm: %s", mpt_context_error(ctx));
+                    CHECK(mpt__q_product(ctx, q->quantized, i, MPT__QX_INTEGER, a, M, NULL, got,
+                                         NULL) == MPT_OK,
+                          "product: %s", mpt_context_error(ctx));
+                    bad += memcmp(got, want, (size_t)(M * N)) != 0;
+                    products++;
+                    free(a), free(got), free(want);
+                }
+            }
+            CHECK(q != NULL, "model %d: quantize failed", kinds[ki]);
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+        }
+    CHECK(products >= 4 * 2 * 3 * 2 && bad == 0 && flags == 0,
+          "%d of %d products differ from mpt_qgemm's, %d cached plain tests differ", bad,
+          products, flags);
+}
+
+/* The table a full-integer model reads a uint8 dataset's bytes through
+   (mpt__q_byte_table: AVX-512 where the CPU has it) holds each byte's
+   float quantized one by one (mpt__q_quantize): [0, 1] and [-1, 1]
+   normalisations and values on the ties, under scales and zero points
+   that clamp some of them, and a NaN. */
+static void test_byte_table_values(void) {
+    static const float scales[] = {1.0f / 255.0f, 2.0f / 255.0f, 0.5f, 1.0f / 1024.0f};
+    static const int zero_points[] = {-128, 0, 5, 127};
+    mpt_context *ctx = quiet_ctx();
+    float f[256];
+    int8_t got[256];
+    int si, zi, form, v, bad = 0;
+    for (form = 0; form < 3; form++)
+        for (si = 0; si < 4; si++)
+            for (zi = 0; zi < 4; zi++) {
+                mpt_quant_params p;
+                memset(&p, 0, sizeof p);
+                p.scale = scales[si], p.zero_point = zero_points[zi];
+                for (v = 0; v < 256; v++)
+                    f[v] = form == 0   ? (float)v / 255.0f
+                           : form == 1 ? (float)v / 127.5f - 1.0f
+                                       : ((float)(v - 128) + 0.5f) * p.scale; /* ties */
+                if (form == 2) f[7] = NAN;
+                mpt__q_byte_table(ctx, &p, f, got);
+                for (v = 0; v < 256; v++) bad += got[v] != mpt__q_quantize(f[v], &p);
+            }
+    CHECK(bad == 0, "%d entries of 48 tables differ from mpt__q_quantize's", bad);
+    mpt_context_destroy(ctx);
+}
+
 /* A full-integer model reads a uint8 dataset's bytes through a table
    (the byte's normalised float, quantized once): predict and evaluate give
    the bits they give on the same samples as float32, on every model kind,
@@ -2266,7 +2400,10 @@ static void test_small_conv_scalar_reference(void) {
    its widened kernel (mpt__q_conv_float16_direct): the float16 model of a
    float model whose weights are float16 values already predicts the
    float model's bits, on shapes that take the one-channel kernel,
-   Winograd's 3×3 and the tiles, with and without ReLU, on 1 and 2 threads. */
+   Winograd's 3×3 and the tiles, with and without ReLU, on 1 and 2 threads;
+   and again on the next calls (batches of 1, then all), which read the
+   kernel the first one prepared (conv_ws, kept: the one-channel and
+   Winograd cases). */
 static void test_float16_conv_direct(void) {
     static const struct { int64_t h, w, c, filters, k, stride; mpt_padding pad; int relu; } cases[] = {
         {28, 28, 1, 32, 3, 1, MPT_PADDING_VALID, 1},
@@ -2314,6 +2451,26 @@ static void test_float16_conv_direct(void) {
             CHECK(a.data && b.data && diff == 0,
                   "case %d, %d threads: %d of %lld outputs differ from the float32 model's", ci,
                   threads, diff, (long long)mpt_tensor_count(&a));
+            /* the kernel the first call prepared (Winograd's U, the shallow
+               kernel's) kept and read by the next calls: a batch of 1 first,
+               then the whole batch again, the same outputs */
+            CHECK(!q || ci == 2 || /* (the 5×5 stride-2 one declines: im2col) */
+                      (q->quantized->ops[0].conv_ws && q->quantized->ops[0].conv_ws->kept),
+                  "case %d: the Conv2D's prepared kernel was not kept", ci);
+            for (k = 0; k < 2; k++) {
+                mpt_tensor c;
+                int64_t e;
+                memset(&c, 0, sizeof c);
+                diff = 0;
+                CHECK(q && mpt_model_predict(q, d, k == 0 ? 1 : N, &c) == MPT_OK,
+                      "predict float16 again: %s", mpt_context_error(ctx));
+                for (e = 0; a.data && c.data && e < mpt_tensor_count(&a); e++)
+                    diff += ((float *)a.data)[e] != ((float *)c.data)[e];
+                CHECK(a.data && c.data && diff == 0,
+                      "case %d, %d threads, call %d: %d outputs differ with the kept kernel", ci,
+                      threads, (int)k + 2, diff);
+                mpt_tensor_free(ctx, &c);
+            }
             mpt_tensor_free(ctx, &a);
             mpt_tensor_free(ctx, &b);
             mpt_model_destroy(q);
@@ -3255,6 +3412,9 @@ int main(void) {
     TEST_RUN(test_quantize_input_lanes);
     TEST_RUN(test_symmetric_rows_lanes);
     TEST_RUN(test_byte_table_lanes);
+    TEST_RUN(test_table_copy_lanes);
+    TEST_RUN(test_products_as_public_qgemm);
+    TEST_RUN(test_byte_table_values);
     TEST_RUN(test_uint8_samples_as_float32);
     TEST_RUN(test_binary_accuracy);
     TEST_RUN(test_weighted_evaluate);

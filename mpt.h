@@ -1204,7 +1204,8 @@ typedef struct mpt_random_flip_desc {
 typedef enum mpt_fill_mode {
     MPT_FILL_REFLECT = 0, /* (d c b a | a b c d | d c b a), "reflecting about
                              the edge of the last pixel"; Keras' default */
-    MPT_FILL_WRAP,        /* (a b c d | a b c d | a b c d)                   */
+    MPT_FILL_WRAP,        /* (a b c d | a b c d | a b c d), by TensorFlow's
+                             formula: for shifts under len − 1 pixels */
     MPT_FILL_NEAREST,     /* (a a a a | a b c d | d d d d)                   */
     MPT_FILL_CONSTANT     /* (k k k k | a b c d | k k k k), k = fill_value    */
 } mpt_fill_mode;
@@ -8184,17 +8185,18 @@ MPTDEF mpt_node mpt_random_flip(mpt_model *m, mpt_node x, const mpt_random_flip_
 /* ---- RandomTranslation ----------------------------------------------------- */
 
 /* A source coordinate outside [0, len − 1] brought back in as fill_mode
-   says, before the interpolation (as TensorFlow's ImageProjectiveTransformV3,
-   which Keras' TensorFlow backend runs, maps it): reflect about the edge
-   of the last pixel (period 2·len: −1 reads 0, −2 reads 1), wrap to the
-   opposite edge (period len: −1 reads len − 1), or clamp (nearest); the
-   result is then clamped to [0, len − 1], so a coordinate between the
-   last pixel and its reflection or wrap reads the last pixel.
-   "constant" keeps the coordinate, and a pixel it falls between that
-   lies outside reads fill_value. (TensorFlow's wrap, for a coordinate
-   below −(len − 1), adds a period too many and lands on the clamp; this
-   one wraps it as the mode's pattern says: a shift of at least len − 1
-   pixels, factor ≈ 1, is the only one that reaches there.) */
+   says, before the interpolation, by the formulas of TensorFlow's
+   ImageProjectiveTransformV3, which Keras' TensorFlow backend runs (Keras
+   3.15 on TensorFlow 2.21 gives the values tests/test_augment.c expects):
+   reflect about the edge of the last pixel (period 2·len: −1 reads 0, −2
+   reads 1); wrap to the opposite edge (−1 reads len − 1), where
+   TensorFlow divides by len − 1, not len, so that past a shift of
+   len − 1 pixels the result lands on the clamp below rather than on the
+   pattern; nearest: the clamp alone. The result is clamped to
+   [0, len − 1]: a coordinate between the first pixel and its reflection
+   reads the first pixel, one between the last pixel and its wrap the
+   first. "constant" keeps the coordinate, and a pixel it falls between
+   that lies outside reads fill_value. */
 static float mpt__translate_map(float c, int64_t len, int fill_mode) {
     float n = (float)len;
     if (fill_mode == MPT_FILL_CONSTANT) return c;
@@ -8207,8 +8209,11 @@ static float mpt__translate_map(float c, int64_t len, int fill_mode) {
             c -= n2 * (float)(int64_t)(c / n2);
             if (c >= n) c = n2 - c - 1;
         }
-    } else if (fill_mode == MPT_FILL_WRAP && len > 1 && (c < 0 || c > n - 1)) {
-        c -= n * floorf(c / n);
+    } else if (fill_mode == MPT_FILL_WRAP && len > 1) {
+        if (c < 0)
+            c += n * (float)((int64_t)(-c / (n - 1)) + 1);
+        else if (c > n - 1)
+            c -= n * (float)(int64_t)(c / (n - 1));
     }
     return c < 0 ? 0 : c > n - 1 ? n - 1 : c;
 }

@@ -428,6 +428,7 @@
        0 keeps that meaning and the field has no zero default.
 
    PRIVATE PREFIXES: the families of mpt__ helpers, and where they live
+       augment_ the draw and build both layers share   @impl-random-augment
        bn_     BatchNormalization                      @impl-batchnorm
        cb_     callbacks, and the text they write      @impl-callbacks
        ckpt_   checkpoint files                        @impl-checkpoints
@@ -435,6 +436,7 @@
        csv_    CSV files                               @impl-csv
        dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv-direct
        dz_     dz = dy · act'(y) and the bias sum      @impl-layer-kernels
+       flip_   RandomFlip's per-sample pass            @impl-random-augment
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite
        graph_  a graph's first failure, layout, walks  @impl-model, @impl-graph,
                                                        @impl-passes
@@ -452,6 +454,7 @@
        tb_     TensorBoard's event files               @impl-tensorboard
        text_   text datasets (windows over bytes)      @impl-text
        tfl_    the TFLite graph                        @impl-tflite-graph
+       translate_ RandomTranslation's map and taps     @impl-random-augment
        wino_   Winograd F(2×2, 3×3)                    @impl-winograd
        wino4_  Winograd F(4×4, 3×3)                    @impl-winograd
        wkg_    Winograd's kernel gradient              @impl-winograd-grad

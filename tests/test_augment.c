@@ -545,6 +545,20 @@ static void test_refusals(void) {
     mpt_model_add_random_flip(v, NULL);
     test_expect_error(q, mpt_model_build(v, 2), MPT_ERR_SHAPE, "RandomFlip 'random_flip'", "RandomFlip");
     mpt_model_destroy(v);
+    /* a model on another device (a copy of the CPU's table stands for
+       CUDA's): build refuses each layer by name */
+    {
+        static mpt_backend other;
+        other = *mpt__cpu_backend();
+        mpt_model_create(q, &(mpt_model_desc){.input_shape = {4, 4, 1}, .input_rank = 3}, &v);
+        mpt_model_add_random_translation(v, NULL);
+        v->be = &other;
+        test_expect_error(q, mpt_model_build(v, 2), MPT_ERR_UNSUPPORTED,
+                          "RandomTranslation 'random_translation': not available on a CUDA device",
+                          "RandomTranslation on CUDA");
+        v->be = mpt__cpu_backend();
+        mpt_model_destroy(v);
+    }
     mpt_model_destroy(m);
     mpt_context_destroy(q);
 }

@@ -282,6 +282,8 @@
        @impl-zero-padding2d  ZeroPadding2D
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
+       @impl-random-augment  RandomFlip, RandomTranslation: images changed
+                          at random in training, the identity at inference
        @impl-merge        Add, Subtract, Multiply, Average, Concatenate
        @impl-embedding    Embedding, PositionEmbedding; the model's int32
                           token ids (checked against the tables)
@@ -426,6 +428,7 @@
        0 keeps that meaning and the field has no zero default.
 
    PRIVATE PREFIXES: the families of mpt__ helpers, and where they live
+       augment_ the draw and build both layers share   @impl-random-augment
        bn_     BatchNormalization                      @impl-batchnorm
        cb_     callbacks, and the text they write      @impl-callbacks
        ckpt_   checkpoint files                        @impl-checkpoints
@@ -433,6 +436,7 @@
        csv_    CSV files                               @impl-csv
        dconv_  Conv2D's direct (AVX-512) tiles         @impl-conv-direct
        dz_     dz = dy · act'(y) and the bias sum      @impl-layer-kernels
+       flip_   RandomFlip's per-sample pass            @impl-random-augment
        fb_     FlatBuffers, TFLite's container         @impl-export-tflite
        graph_  a graph's first failure, layout, walks  @impl-model, @impl-graph,
                                                        @impl-passes
@@ -450,6 +454,7 @@
        tb_     TensorBoard's event files               @impl-tensorboard
        text_   text datasets (windows over bytes)      @impl-text
        tfl_    the TFLite graph                        @impl-tflite-graph
+       translate_ RandomTranslation's map and taps     @impl-random-augment
        wino_   Winograd F(2×2, 3×3)                    @impl-winograd
        wino4_  Winograd F(4×4, 3×3)                    @impl-winograd
        wkg_    Winograd's kernel gradient              @impl-winograd-grad
@@ -1162,6 +1167,86 @@ typedef struct mpt_zero_padding2d_desc {
 
 MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *desc);
 MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padding2d_desc *desc);
+
+/* ---- data augmentation: Keras' RandomFlip and RandomTranslation ------------
+
+   Layers that change each training image at random, at the model's input
+   (or anywhere in a graph), and pass every image through unchanged in
+   predict, evaluate, fit's validation, the export (the exported file's
+   input feeds the next layer) and quantization. x and y are
+   (B, H, W, C) images in any float dtype, any number of channels. Each
+   sample's draw is Philox's words for the layer's key (its seed, else
+   one drawn from the model's), counter (training step, the sample's index
+   in the global batch): the same for any thread count, and a mirrored
+   strategy's replicas draw what one replica with the global batch would.
+   Backward is the sampled map's exact adjoint, so the layers may sit
+   anywhere. The CPU runs them; a model on a CUDA device refuses them
+   at build (MPT_ERR_UNSUPPORTED, naming the layer). */
+
+/* RandomFlip's mode, Keras' strings. */
+typedef enum mpt_flip_mode {
+    MPT_FLIP_HORIZONTAL_AND_VERTICAL = 0, /* "horizontal_and_vertical", Keras' default */
+    MPT_FLIP_HORIZONTAL,                  /* "horizontal": a left-right flip */
+    MPT_FLIP_VERTICAL                     /* "vertical": a top-bottom flip   */
+} mpt_flip_mode;
+
+/* RandomFlip: "This layer will flip the images horizontally and or
+   vertically based on the `mode` attribute. During inference time, the
+   output will be identical to input." Each image is flipped with
+   probability 1/2 (one uniform number per image, as Keras draws it);
+   in "horizontal_and_vertical" that one draw flips both axes, so an
+   image is either unchanged or turned by 180 degrees, as in Keras. */
+typedef struct mpt_random_flip_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    mpt_flip_mode mode;                 /* default horizontal_and_vertical */
+    uint64_t seed;                      /* default 0: derived from the model's */
+} mpt_random_flip_desc;
+
+/* RandomTranslation's fill_mode: "Points outside the boundaries of the
+   input are filled according to the given mode". */
+typedef enum mpt_fill_mode {
+    MPT_FILL_REFLECT = 0, /* (d c b a | a b c d | d c b a), "reflecting about
+                             the edge of the last pixel"; Keras' default */
+    MPT_FILL_WRAP,        /* (a b c d | a b c d | a b c d), by TensorFlow's
+                             formula: for shifts under len − 1 pixels */
+    MPT_FILL_NEAREST,     /* (a a a a | a b c d | d d d d)                   */
+    MPT_FILL_CONSTANT     /* (k k k k | a b c d | k k k k), k = fill_value    */
+} mpt_fill_mode;
+
+typedef enum mpt_interpolation {
+    MPT_INTERPOLATION_BILINEAR = 0, /* Keras' default */
+    MPT_INTERPOLATION_NEAREST
+} mpt_interpolation;
+
+/* RandomTranslation: "This layer will apply random translations to each
+   image during training, filling empty space according to `fill_mode`."
+   Per image, a vertical shift dy = U(lower, upper) · H and a horizontal
+   one dx = U(lower, upper) · W, in pixels and not rounded (as Keras draws
+   them); output pixel (i, j) reads the input at (i − dy, j − dx),
+   mapped by fill_mode and interpolated (bilinear: the four pixels around
+   it, a neighbour outside the image reading fill_value; nearest: the
+   pixel it rounds to, halves away from zero), as TensorFlow's
+   ImageProjectiveTransformV3 does for Keras. A positive dy shifts the image
+   down, a positive dx right. Keras' height_factor=0.2 is {−0.2, 0.2}
+   here; its pair (lower, upper) is the same pair (Keras sorts it, so
+   does this layer). Every factor in [−1, 1]. */
+typedef struct mpt_random_translation_desc {
+    MPT_LAYER_COMMON_FIELDS;
+    float height_factor[2];             /* (lower, upper) fractions of H;
+                                           default {0, 0}: no vertical shift */
+    float width_factor[2];              /* of W; default {0, 0}               */
+    mpt_fill_mode fill_mode;            /* default reflect, as Keras          */
+    mpt_interpolation interpolation;    /* default bilinear                   */
+    float fill_value;                   /* default 0; read with "constant"    */
+    uint64_t seed;                      /* default 0: derived from the model's */
+} mpt_random_translation_desc;
+
+MPTDEF mpt_status mpt_model_add_random_flip(mpt_model *m, const mpt_random_flip_desc *desc);
+MPTDEF mpt_node mpt_random_flip(mpt_model *m, mpt_node x, const mpt_random_flip_desc *desc);
+MPTDEF mpt_status mpt_model_add_random_translation(mpt_model *m,
+                                                   const mpt_random_translation_desc *desc);
+MPTDEF mpt_node mpt_random_translation(mpt_model *m, mpt_node x,
+                                       const mpt_random_translation_desc *desc);
 
 /* Embedding: each int32 token id in [0, input_dim) becomes its row of a
    learned (input_dim, output_dim) table, (B, ...) ids to (B, ...,
@@ -4340,6 +4425,8 @@ typedef enum mpt__layer_kind {
     MPT__LAYER_LAYER_NORMALIZATION,
     MPT__LAYER_MULTI_HEAD_ATTENTION,
     MPT__LAYER_INPUT, /* another input of the model (mpt_model_add_input) */
+    MPT__LAYER_RANDOM_FLIP,
+    MPT__LAYER_RANDOM_TRANSLATION,
     MPT__LAYER_KINDS /* how many; a new kind goes before it */
 } mpt__layer_kind;
 
@@ -4516,6 +4603,8 @@ union mpt__layer_desc {
     mpt_merge_desc merge;
     mpt_concatenate_desc concatenate;
     mpt_zero_padding2d_desc zero_padding2d;
+    mpt_random_flip_desc random_flip;
+    mpt_random_translation_desc random_translation;
     mpt_embedding_desc embedding;
     mpt_position_embedding_desc position_embedding;
     mpt_layer_normalization_desc layer_normalization;
@@ -4726,6 +4815,10 @@ struct mpt_model {
     struct mpt_model **replica;          /* [n_replicas]: [0] is this model; the
                                             others are built and compiled with it */
     int replica_index;                   /* over every worker: keys dropout  */
+    int64_t sample_offset;               /* this replica's first row in the
+                                            global batch of the training step
+                                            (keys the augmentation layers'
+                                            draws); 0 without a strategy     */
     struct mpt__exchange *exchange;      /* gradients in flight between workers
                                             during fit's backward passes       */
     double *sync_scratch;                /* host sums of synchronized statistics:
@@ -7985,6 +8078,407 @@ MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d)
 
 MPTDEF mpt_node mpt_dropout(mpt_model *m, mpt_node x, const mpt_dropout_desc *d) {
     return mpt__call_layer(m, &mpt__dropout_ops, 1, &x, d);
+}
+
+/* =============================================================================
+   @impl-random-augment  RandomFlip, RandomTranslation        x, y: (B, H, W, C)
+   =============================================================================
+
+   In training each sample is changed by a linear map drawn for it; at
+   inference both are copies. Sample b's draw is Philox(key, counter =
+   (step, g)), g = b + the replica's sample_offset, its index in the
+   global batch: one counter a sample, so any split of the batch over
+   threads or replicas draws the same. The key is the layer's own, the
+   same on every replica (unlike Dropout's, which mixes the replica in:
+   there the element, not the sample, is counted). Forward keeps each
+   sample's draw (a flag, or the two shifts in pixels) for backward. The
+   work is one task per sample, in float32 (half dtypes through the
+   workspace, rounded once to the layer's dtype at the end), so every
+   sample's bits are fixed whatever the thread count. The CPU runs them;
+   build refuses a model on another device. */
+
+/* The draw's four words for sample b of this pass. */
+static void mpt__augment_words(const mpt__layer *L, uint64_t seed, const mpt__pass *p, int64_t b,
+                               uint32_t r[4]) {
+    uint64_t step = p->state ? (uint64_t)p->state->step : 0;
+    mpt_philox4x32(mpt__layer_random_key(L, seed, 0), step,
+                   (uint64_t)(p->model->sample_offset + b), r);
+}
+
+/* The shapes both layers share: an image in, the same image out, on the
+   CPU. */
+static mpt_status mpt__augment_build(struct mpt_model *m, mpt__layer *L, int64_t saved_per_sample) {
+    MPT__CHECK(mpt__expect_image(m, L));
+    if (mpt__model_device(m) != MPT_DEVICE_CPU)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                         "%s '%s': not available on a CUDA device yet (the CPU runs it)",
+                         L->ops->class_name, L->name);
+    L->out_rank = 3;
+    memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
+    MPT__CHECK(mpt__layer_add_saved(m, L, saved_per_sample, 0));
+    return MPT_OK;
+}
+
+/* ---- RandomFlip -------------------------------------------------------------- */
+
+typedef struct mpt__flip_job {
+    const mpt__layer *L;
+    const unsigned char *in; /* (B, H, W, C) in the layer's dtype */
+    unsigned char *out;
+    const int32_t *flips;    /* (B) bit 0: left-right, bit 1: top-bottom */
+} mpt__flip_job;
+
+/* Sample b's image with its rows and columns reversed as flips[b] says
+   (its own inverse, so forward and backward share it). */
+static void mpt__flip_task(void *arg, int64_t b, int thread) {
+    const mpt__flip_job *j = (const mpt__flip_job *)arg;
+    const mpt__layer *L = j->L;
+    int64_t H = L->in_shape[0], W = L->in_shape[1];
+    int64_t pixel = L->in_shape[2] * (int64_t)mpt_dtype_size(L->dtype), image = H * W * pixel;
+    int flips = j->flips[b], i, k;
+    const unsigned char *in = j->in + b * image;
+    unsigned char *out = j->out + b * image;
+    (void)thread;
+    for (i = 0; i < H; i++) {
+        int64_t si = flips & 2 ? H - 1 - i : i;
+        if (!(flips & 1)) {
+            memcpy(out + i * W * pixel, in + si * W * pixel, (size_t)(W * pixel));
+            continue;
+        }
+        for (k = 0; k < W; k++)
+            memcpy(out + (i * W + k) * pixel, in + (si * W + W - 1 - k) * pixel, (size_t)pixel);
+    }
+}
+
+static void mpt__flip_run(const mpt__layer *L, const mpt__pass *p, const void *in, void *out) {
+    mpt__flip_job j;
+    j.L = L;
+    j.in = (const unsigned char *)in;
+    j.out = (unsigned char *)out;
+    j.flips = (const int32_t *)L->saved[0];
+    mpt__parallel_for(p->ctx, p->batch, mpt__flip_task, &j);
+}
+
+/* Keras draws one uniform number an image and flips where it is ≤ 0.5;
+   here u < 0.5, which with 24-bit uniforms is exactly half of them. */
+static void mpt__random_flip_forward(mpt__layer *L, const mpt__pass *p) {
+    int32_t *flips = (int32_t *)L->saved[0];
+    int mode = L->desc.random_flip.mode;
+    int axes = mode == MPT_FLIP_HORIZONTAL ? 1 : mode == MPT_FLIP_VERTICAL ? 2 : 3;
+    int64_t b;
+    if (!p->training) {
+        p->be->copy(p->impl, p->y, p->x, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
+        return;
+    }
+    for (b = 0; b < p->batch; b++) {
+        uint32_t r[4];
+        mpt__augment_words(L, L->desc.random_flip.seed, p, b, r);
+        flips[b] = mpt__uniform01(r[0]) < 0.5f ? axes : 0;
+    }
+    mpt__flip_run(L, p, p->x, p->y);
+}
+
+static void mpt__random_flip_backward(mpt__layer *L, const mpt__pass *p) {
+    if (p->dx) mpt__flip_run(L, p, p->dy, p->dx);
+}
+
+static mpt_status mpt__random_flip_build(struct mpt_model *m, mpt__layer *L) {
+    return mpt__augment_build(m, L, 4); /* saved[0]: each sample's flips, int32 */
+}
+
+static mpt_status mpt__random_flip_check(mpt_model *m, const mpt__layer_ops *ops,
+                                         const mpt__layer_desc *d) {
+    (void)ops;
+    if ((unsigned)d->random_flip.mode > MPT_FLIP_VERTICAL)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "RandomFlip: mode %d is not one of horizontal_and_vertical (0), "
+                         "horizontal (1), vertical (2)",
+                         (int)d->random_flip.mode);
+    return MPT_OK;
+}
+
+static const mpt__field mpt__random_flip_fields[] = {
+    MPT__FIELD(mpt_random_flip_desc, mode, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_random_flip_desc, seed, MPT__FIELD_UINT64),
+    MPT__FIELDS_END};
+
+static const mpt__layer_ops mpt__random_flip_ops = {
+    "RandomFlip", "random_flip", MPT__LAYER_RANDOM_FLIP, mpt__random_flip_build,
+    mpt__random_flip_forward, mpt__random_flip_backward, NULL, NULL, NULL, NULL, NULL, 1,
+    sizeof(mpt_random_flip_desc), mpt__random_flip_check, mpt__random_flip_fields, 1, 1, 0};
+
+MPTDEF mpt_status mpt_model_add_random_flip(mpt_model *m, const mpt_random_flip_desc *d) {
+    return mpt__add_layer(m, &mpt__random_flip_ops, d);
+}
+
+MPTDEF mpt_node mpt_random_flip(mpt_model *m, mpt_node x, const mpt_random_flip_desc *d) {
+    return mpt__call_layer(m, &mpt__random_flip_ops, 1, &x, d);
+}
+
+/* ---- RandomTranslation ----------------------------------------------------- */
+
+/* A source coordinate outside [0, len − 1] brought back in as fill_mode
+   says, before the interpolation, by the formulas of TensorFlow's
+   ImageProjectiveTransformV3, which Keras' TensorFlow backend runs (Keras
+   3.15 on TensorFlow 2.21 gives the values tests/test_augment.c expects):
+   reflect about the edge of the last pixel (period 2·len: −1 reads 0, −2
+   reads 1); wrap to the opposite edge (−1 reads len − 1), where
+   TensorFlow divides by len − 1, not len, so that past a shift of
+   len − 1 pixels the result lands on the clamp below rather than on the
+   pattern; nearest: the clamp alone. The result is clamped to
+   [0, len − 1]: a coordinate between the first pixel and its reflection
+   reads the first pixel, one between the last pixel and its wrap the
+   first. "constant" keeps the coordinate, and a pixel it falls between
+   that lies outside reads fill_value. */
+static float mpt__translate_map(float c, int64_t len, int fill_mode) {
+    float n = (float)len;
+    if (fill_mode == MPT_FILL_CONSTANT) return c;
+    if (fill_mode == MPT_FILL_REFLECT && len > 1) {
+        float n2 = 2 * n;
+        if (c < 0) {
+            c += n2 * (float)(int64_t)(-c / n2);
+            c = c < -n ? c + n2 : -c - 1;
+        } else if (c > n - 1) {
+            c -= n2 * (float)(int64_t)(c / n2);
+            if (c >= n) c = n2 - c - 1;
+        }
+    } else if (fill_mode == MPT_FILL_WRAP && len > 1) {
+        if (c < 0)
+            c += n * (float)((int64_t)(-c / (n - 1)) + 1);
+        else if (c > n - 1)
+            c -= n * (float)(int64_t)(c / (n - 1));
+    }
+    return c < 0 ? 0 : c > n - 1 ? n - 1 : c;
+}
+
+/* Output row (or column) i's taps along one axis: at most two source
+   indexes and their weights; an index outside [0, len) reads fill_value. */
+typedef struct mpt__taps {
+    int64_t at[2];
+    float w[2];
+    int n;
+} mpt__taps;
+
+static void mpt__translate_taps(float c, int64_t len, int fill_mode, int nearest, mpt__taps *t) {
+    float f;
+    c = mpt__translate_map(c, len, fill_mode);
+    if (nearest) {
+        t->n = 1;
+        t->at[0] = (int64_t)roundf(c); /* halves away from zero, as std::round */
+        t->w[0] = 1;
+        return;
+    }
+    f = floorf(c);
+    t->n = 2;
+    t->at[0] = (int64_t)f;
+    t->at[1] = (int64_t)f + 1;
+    t->w[0] = (f + 1) - c;
+    t->w[1] = c - f;
+}
+
+static int mpt__tap_inside(const mpt__taps *t, int k, int64_t len) {
+    return t->at[k] >= 0 && t->at[k] < len;
+}
+
+typedef struct mpt__translate_job {
+    const mpt__layer *L;
+    const mpt__pass *p;
+    const float *shifts; /* (B, 2) each sample's dy, dx in pixels */
+    int backward;        /* 0: y from x; 1: dx from dy            */
+    float *tmp;          /* half dtypes: (B, 2, H·W·C) float32 scratch */
+} mpt__translate_job;
+
+/* y[i, j, :] = Σ wy_a · wx_b · x[ya, xb, :], a neighbour outside the
+   image reading fill_value (TensorFlow's bilinear order: along x first). */
+static void mpt__translate_forward_image(const mpt__layer *L, const float *shift, const float *x,
+                                         float *y) {
+    const mpt_random_translation_desc *d = &L->desc.random_translation;
+    int64_t H = L->in_shape[0], W = L->in_shape[1], C = L->in_shape[2], i, j, c;
+    int nearest = d->interpolation == MPT_INTERPOLATION_NEAREST, a, k;
+    for (i = 0; i < H; i++) {
+        mpt__taps ty;
+        mpt__translate_taps((float)i - shift[0], H, d->fill_mode, nearest, &ty);
+        for (j = 0; j < W; j++) {
+            mpt__taps tx;
+            float *out = y + (i * W + j) * C;
+            mpt__translate_taps((float)j - shift[1], W, d->fill_mode, nearest, &tx);
+            for (c = 0; c < C; c++) {
+                float sum = 0;
+                for (a = 0; a < ty.n; a++) {
+                    float row = 0;
+                    for (k = 0; k < tx.n; k++)
+                        row += tx.w[k] * (mpt__tap_inside(&ty, a, H) && mpt__tap_inside(&tx, k, W)
+                                              ? x[(ty.at[a] * W + tx.at[k]) * C + c]
+                                              : d->fill_value);
+                    sum += ty.w[a] * row;
+                }
+                out[c] = sum;
+            }
+        }
+    }
+}
+
+/* The adjoint: dx[ya, xb, :] += wy_a · wx_b · dy[i, j, :] for every tap
+   inside the image, output pixels in order (fill_value is a constant:
+   no gradient). */
+static void mpt__translate_backward_image(const mpt__layer *L, const float *shift, const float *dy,
+                                          float *dx) {
+    const mpt_random_translation_desc *d = &L->desc.random_translation;
+    int64_t H = L->in_shape[0], W = L->in_shape[1], C = L->in_shape[2], i, j, c;
+    int nearest = d->interpolation == MPT_INTERPOLATION_NEAREST, a, k;
+    memset(dx, 0, sizeof(float) * (size_t)(H * W * C));
+    for (i = 0; i < H; i++) {
+        mpt__taps ty;
+        mpt__translate_taps((float)i - shift[0], H, d->fill_mode, nearest, &ty);
+        for (j = 0; j < W; j++) {
+            mpt__taps tx;
+            const float *g = dy + (i * W + j) * C;
+            mpt__translate_taps((float)j - shift[1], W, d->fill_mode, nearest, &tx);
+            for (a = 0; a < ty.n; a++)
+                for (k = 0; k < tx.n; k++) {
+                    float w = ty.w[a] * tx.w[k];
+                    float *to;
+                    if (!mpt__tap_inside(&ty, a, H) || !mpt__tap_inside(&tx, k, W)) continue;
+                    to = dx + (ty.at[a] * W + tx.at[k]) * C;
+                    for (c = 0; c < C; c++) to[c] += w * g[c];
+                }
+        }
+    }
+}
+
+/* Sample b, forward or backward, in float32 (half dtypes through the
+   sample's two slices of tmp). */
+static void mpt__translate_task(void *arg, int64_t b, int thread) {
+    const mpt__translate_job *j = (const mpt__translate_job *)arg;
+    const mpt__layer *L = j->L;
+    const mpt__pass *p = j->p;
+    int64_t n = L->in_count;
+    size_t at = (size_t)mpt__dbytes(L->dtype, b * n);
+    const void *in = (const char *)(j->backward ? p->dy : p->x) + at;
+    void *out = (char *)(j->backward ? p->dx : p->y) + at;
+    const float *fin = (const float *)in;
+    float *fout = (float *)out;
+    (void)thread;
+    if (j->tmp) {
+        float *t = j->tmp + 2 * b * n;
+        mpt__convert(p->ctx, MPT_FLOAT32, t, L->dtype, in, n);
+        fin = t;
+        fout = t + n;
+    }
+    if (j->backward)
+        mpt__translate_backward_image(L, j->shifts + 2 * b, fin, fout);
+    else
+        mpt__translate_forward_image(L, j->shifts + 2 * b, fin, fout);
+    if (j->tmp) mpt__convert(p->ctx, L->dtype, out, MPT_FLOAT32, fout, n);
+}
+
+static void mpt__translate_run(const mpt__layer *L, const mpt__pass *p, int backward) {
+    mpt__translate_job j;
+    j.L = L;
+    j.p = p;
+    j.shifts = (const float *)L->saved[0];
+    j.backward = backward;
+    j.tmp = L->dtype == MPT_FLOAT32 ? NULL : (float *)p->workspace;
+    mpt__parallel_for(p->ctx, p->batch, mpt__translate_task, &j);
+}
+
+/* A factor's pair as Keras takes it: sorted. */
+static void mpt__translate_range(const float f[2], float *lo, float *hi) {
+    *lo = f[0] < f[1] ? f[0] : f[1];
+    *hi = f[0] < f[1] ? f[1] : f[0];
+}
+
+/* Each sample's shifts, as Keras draws them: U(lower, upper) times the
+   side, in float32, words 0 (height) and 1 (width). */
+static void mpt__random_translation_forward(mpt__layer *L, const mpt__pass *p) {
+    const mpt_random_translation_desc *d = &L->desc.random_translation;
+    float *shifts = (float *)L->saved[0], hl, hh, wl, wh;
+    int64_t b;
+    if (!p->training) {
+        p->be->copy(p->impl, p->y, p->x, (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count));
+        return;
+    }
+    mpt__translate_range(d->height_factor, &hl, &hh);
+    mpt__translate_range(d->width_factor, &wl, &wh);
+    for (b = 0; b < p->batch; b++) {
+        uint32_t r[4];
+        mpt__augment_words(L, d->seed, p, b, r);
+        shifts[2 * b] = (hl + mpt__uniform01(r[0]) * (hh - hl)) * (float)L->in_shape[0];
+        shifts[2 * b + 1] = (wl + mpt__uniform01(r[1]) * (wh - wl)) * (float)L->in_shape[1];
+    }
+    mpt__translate_run(L, p, 0);
+}
+
+static void mpt__random_translation_backward(mpt__layer *L, const mpt__pass *p) {
+    if (p->dx) mpt__translate_run(L, p, 1);
+}
+
+static mpt_status mpt__random_translation_build(struct mpt_model *m, mpt__layer *L) {
+    MPT__CHECK(mpt__augment_build(m, L, 8)); /* saved[0]: each sample's dy, dx (float32) */
+    /* half dtypes: a sample's input and output in float32 */
+    return mpt__layer_set_workspace(m, L, L->dtype == MPT_FLOAT32 ? 0 : 8 * L->in_count, 0);
+}
+
+static mpt_status mpt__translation_factor_check(mpt_model *m, const char *name, const float f[2]) {
+    int k;
+    for (k = 0; k < 2; k++)
+        if (!(f[k] >= -1 && f[k] <= 1))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                             "RandomTranslation: %s[%d] %g is not in [-1, 1]", name, k,
+                             (double)f[k]);
+    return MPT_OK;
+}
+
+static mpt_status mpt__random_translation_check(mpt_model *m, const mpt__layer_ops *ops,
+                                                const mpt__layer_desc *desc) {
+    const mpt_random_translation_desc *d = &desc->random_translation;
+    (void)ops;
+    MPT__CHECK(mpt__translation_factor_check(m, "height_factor", d->height_factor));
+    MPT__CHECK(mpt__translation_factor_check(m, "width_factor", d->width_factor));
+    if ((unsigned)d->fill_mode > MPT_FILL_CONSTANT)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "RandomTranslation: fill_mode %d is not one of reflect (0), wrap (1), "
+                         "nearest (2), constant (3)",
+                         (int)d->fill_mode);
+    if ((unsigned)d->interpolation > MPT_INTERPOLATION_NEAREST)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "RandomTranslation: interpolation %d is not one of bilinear (0), "
+                         "nearest (1)",
+                         (int)d->interpolation);
+    if (!isfinite(d->fill_value))
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "RandomTranslation: fill_value %g is not finite", (double)d->fill_value);
+    return MPT_OK;
+}
+
+static const mpt__field mpt__random_translation_fields[] = {
+    {"height_factor[0]", MPT__FIELD_FLOAT, offsetof(mpt_random_translation_desc, height_factor)},
+    {"height_factor[1]", MPT__FIELD_FLOAT,
+     offsetof(mpt_random_translation_desc, height_factor) + sizeof(float)},
+    {"width_factor[0]", MPT__FIELD_FLOAT, offsetof(mpt_random_translation_desc, width_factor)},
+    {"width_factor[1]", MPT__FIELD_FLOAT,
+     offsetof(mpt_random_translation_desc, width_factor) + sizeof(float)},
+    MPT__FIELD(mpt_random_translation_desc, fill_mode, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_random_translation_desc, interpolation, MPT__FIELD_ENUM),
+    MPT__FIELD(mpt_random_translation_desc, fill_value, MPT__FIELD_FLOAT),
+    MPT__FIELD(mpt_random_translation_desc, seed, MPT__FIELD_UINT64),
+    MPT__FIELDS_END};
+
+static const mpt__layer_ops mpt__random_translation_ops = {
+    "RandomTranslation", "random_translation", MPT__LAYER_RANDOM_TRANSLATION,
+    mpt__random_translation_build, mpt__random_translation_forward,
+    mpt__random_translation_backward, NULL, NULL, NULL, NULL, NULL, 1,
+    sizeof(mpt_random_translation_desc), mpt__random_translation_check,
+    mpt__random_translation_fields, 1, 1, 0};
+
+MPTDEF mpt_status mpt_model_add_random_translation(mpt_model *m,
+                                                   const mpt_random_translation_desc *d) {
+    return mpt__add_layer(m, &mpt__random_translation_ops, d);
+}
+
+MPTDEF mpt_node mpt_random_translation(mpt_model *m, mpt_node x,
+                                       const mpt_random_translation_desc *d) {
+    return mpt__call_layer(m, &mpt__random_translation_ops, 1, &x, d);
 }
 
 /* =============================================================================
@@ -26200,7 +26694,8 @@ static const mpt__layer_ops *const mpt__file_layers[] = {
     &mpt__dropout_ops,     &mpt__add_ops,            &mpt__subtract_ops,
     &mpt__multiply_ops,    &mpt__average_ops,        &mpt__concatenate_ops,
     &mpt__embedding_ops,   &mpt__position_embedding_ops, &mpt__ln_ops,
-    &mpt__mha_ops,         &mpt__input_layer_ops};
+    &mpt__mha_ops,         &mpt__input_layer_ops,       &mpt__random_flip_ops,
+    &mpt__random_translation_ops};
 
 /* The compile settings, each member by its path in mpt_compile_desc. */
 /* compile's settings as a file keeps them: the descriptor, and for a
@@ -42026,9 +42521,14 @@ static mpt_status mpt__replicas_forward_backward(mpt_model *m, const mpt_tensor 
     mpt__forward_walk fw[MPT__MAX_REPLICAS];
     mpt__backward_walk bw[MPT__MAX_REPLICAS];
     mpt_tensor target[MPT__MAX_REPLICAS], weights[MPT__MAX_REPLICAS];
+    /* this worker's rows begin at its slice of the global batch (as
+       mpt__worker_order cuts it), replica k's after replica k − 1's */
+    int64_t offset = global_rows * m->strategy->worker / m->strategy->workers;
     for (k = 0; k < n; k++) {
         mpt_model *r = m->replica[k];
         had[k] = xs[k].shape[0];
+        r->sample_offset = offset;
+        offset += had[k];
         if (had[k] > 0) {
             mpt_tensor in;
             MPT__CHECK(mpt__input_on_backend(r, &xs[k], &in));

@@ -5,13 +5,16 @@ resnet(), examples/resnet20.h's layers), the first 50,000 training images
 for training and the last 10,000 for validation, Adam from 1e-3 decayed
 to 0 by Keras' CosineDecay over the run's steps (as resnet.c), batch 128,
 sparse categorical crossentropy on logits, shuffled every epoch, a policy
-(mixed_float16 by default, as resnet.c), then the test set's accuracy. For
+(mixed_float16 by default, as resnet.c), resnet.c's augmentation at the
+input (RandomFlip("horizontal"), RandomTranslation(0.1, 0.1,
+fill_mode="constant", interpolation="nearest"); --no-augment: none),
+then the test set's accuracy. For
 the accuracy at equal epochs that issue-level comparisons ask for, not for
 speed (bench/tf_train.py and compare.sh time the steps).
 
     /tmp/tfvenv/bin/python bench/tf_resnet.py --epochs 15 [--policy mixed_float16]
         [--threads 2] [--seed 42] [--train-samples 50000]
-        [--data /usr/share/datasets/fashion-mnist]
+        [--data /usr/share/datasets/fashion-mnist] [--no-augment]
 
 Prints Keras' progress per epoch (val_accuracy included), the test
 accuracy after every epoch (so that a run of N epochs also gives the
@@ -64,6 +67,16 @@ class TestEachEpoch(keras.callbacks.Callback):
               f"{self.seconds[-1]:.0f} s", flush=True)
 
 
+def augmented(model):
+    """The model behind resnet.c's augmentation layers, which Keras runs
+    in training only (fit), never in evaluate or predict."""
+    inputs = keras.Input(model.input_shape[1:])
+    x = keras.layers.RandomFlip("horizontal")(inputs)
+    x = keras.layers.RandomTranslation(0.1, 0.1, fill_mode="constant",
+                                       interpolation="nearest")(x)
+    return keras.Model(inputs, model(x))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=15)
@@ -75,6 +88,8 @@ def main():
     ap.add_argument("--train-samples", type=int, default=50000,
                     help="the first N of the 50,000 training images (fewer: a smoke run)")
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+    ap.add_argument("--no-augment", action="store_true",
+                    help="train without resnet.c's RandomFlip and RandomTranslation")
     args = ap.parse_args()
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
@@ -84,11 +99,14 @@ def main():
     n_train = x.shape[0] - 10000  # resnet.c: the last 10,000 validate
     train_x, train_y = x[:min(args.train_samples, n_train)], y[:min(args.train_samples, n_train)]
     print(f"# TensorFlow {tf.__version__} (Keras {keras.__version__}), threads {args.threads}, "
-          f"policy {args.policy}, {train_x.shape[0]} training images, {args.epochs} epochs", flush=True)
+          f"policy {args.policy}, {train_x.shape[0]} training images, {args.epochs} epochs, "
+          f"augmentation {'off' if args.no_augment else 'on'}", flush=True)
 
     keras.mixed_precision.set_global_policy(args.policy)
     keras.utils.set_random_seed(args.seed)
     model = tf_train.resnet()
+    if not args.no_augment:
+        model = augmented(model)
     steps = args.epochs * -(-train_x.shape[0] // args.batch_size)
     rate = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=steps)
     model.compile(optimizer=keras.optimizers.Adam(rate),
@@ -105,6 +123,7 @@ def main():
                       "version": tf.__version__, "policy": args.policy, "epochs": args.epochs,
                       "threads": args.threads, "batch": args.batch_size, "seed": args.seed,
                       "train_samples": int(train_x.shape[0]),
+                      "augment": not args.no_augment,
                       "val_accuracy": [round(v, 4) for v in history.history["val_accuracy"]],
                       "test_accuracy_each": [round(v, 4) for v in each.accuracy],
                       "test_accuracy": round(each.accuracy[-1], 4),

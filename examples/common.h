@@ -32,6 +32,9 @@ typedef struct options {
     const char *export_stem; /* --export STEM: STEM.tflite and STEM.onnx of the
                                 model (float32 weights) */
     int model_files;         /* 1: the example takes --save, --load and --export */
+    int augment_flag;        /* 1: the example takes --no-augment */
+    int augment;             /* 1: training images go through the example's
+                                augmentation layers (--no-augment: 0) */
 } options;
 
 /* The defaults the flags change: mixed_float16, Fashion-MNIST from
@@ -40,7 +43,7 @@ typedef struct options {
 static inline options default_options(int epochs) {
     options o = { .policy = MPT_POLICY_MIXED_FLOAT16, .policy_name = "mixed_float16",
                   .data = "/usr/share/datasets/fashion-mnist", .epochs = epochs,
-                  .batch_size = 128, .verbose = 1, .seed = 1 };
+                  .batch_size = 128, .verbose = 1, .seed = 1, .augment = 1 };
     return o;
 }
 
@@ -75,15 +78,22 @@ static inline int policy_named(const char *name, mpt_policy *policy) {
 }
 
 /* Reads --policy, --epochs, --batch-size, --threads, --data, --seed,
-   --verbose, --tensorboard, --plot, --profile, --save and --load (the
-   examples that offer them) over the defaults already in *o; returns 0
+   --verbose, --tensorboard, --plot, --profile, --save, --load, --export
+   and --no-augment (the examples that offer them; --no-augment takes no
+   value) over the defaults already in *o; returns 0
    after printing the usage (and what is wrong with a number) when
    something is wrong. */
 static inline int parse_options(int argc, char **argv, options *o) {
     int i;
-    for (i = 1; i + 1 < argc; i += 2) {
-        const char *flag = argv[i], *value = argv[i + 1];
+    for (i = 1; i < argc; i += 2) {
+        const char *flag = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         unsigned long long n; /* a value that is not a number matches no branch: the loop stops */
+        if (o->augment_flag && !strcmp(flag, "--no-augment")) {
+            o->augment = 0;
+            i--; /* a flag without a value */
+            continue;
+        }
+        if (!value) break;
         if (!strcmp(flag, "--policy")) o->policy_name = value;
         else if (!strcmp(flag, "--epochs") && read_number(argv[0], flag, value, INT_MAX / 2, &n))
             o->epochs = (int)n; /* (half: room for the epochs a loaded model has) */
@@ -109,8 +119,9 @@ static inline int parse_options(int argc, char **argv, options *o) {
         fprintf(stderr, "usage: %s [--policy float32|mixed_float16|mixed_bfloat16] [--epochs N]\n"
                         "          [--batch-size N] [--threads N] [--data DIR] [--seed N]\n"
                         "          [--verbose 0|1|2] [--tensorboard DIR] [--plot FILE]\n"
-                        "          [--profile DIR]%s\n",
-                argv[0], o->model_files ? " [--save FILE] [--load FILE] [--export STEM]" : "");
+                        "          [--profile DIR]%s%s\n",
+                argv[0], o->model_files ? " [--save FILE] [--load FILE] [--export STEM]" : "",
+                o->augment_flag ? " [--no-augment]" : "");
         return 0;
     }
     return 1;
@@ -172,10 +183,11 @@ static inline void print_result(const char *model_name, const options *o, const 
     mpt_model_history(model, &h);
     printf("{\"model\":\"%s\",\"policy\":\"%s\",\"epochs\":%d,\"batch_size\":%lld,"
            "\"threads\":%d,\"test_loss\":%.4f,\"test_accuracy\":%.4f,"
-           "\"train_samples_per_s\":%.0f}\n",
+           "\"train_samples_per_s\":%.0f%s}\n",
            model_name, o->policy_name, h.epochs, (long long)o->batch_size,
            mpt_context_num_threads(ctx), mpt_logs_get(test, "loss"),
-           mpt_logs_get(test, "accuracy"), last_samples_per_second(model));
+           mpt_logs_get(test, "accuracy"), last_samples_per_second(model),
+           !o->augment_flag ? "" : o->augment ? ",\"augment\":true" : ",\"augment\":false");
 }
 
 /* Parses the flags over o's defaults, creates the context (--threads)

@@ -6,13 +6,18 @@
    so the final weights are not one noisy step's; at a constant 1e-3 the
    test accuracy after 15 epochs swung with the last step: 0.866 where the
    best epoch's validation read 0.905), batch 128, validation on the last
-   10,000 training images.
+   10,000 training images. Training images go through Keras' data
+   augmentation first (add_augmentation below: a left-right flip and a
+   shift of up to 3 pixels, each image its own; without it the network
+   learned the training set by epoch 13, accuracy 0.9999, and reached
+   0.9226 on the test set); --no-augment trains without. The JSON line
+   says which ran ("augment").
 
    Build: cc -O2 resnet.c -lpthread -lm -lz -o resnet       (in examples/)
    Run:   ./resnet [--policy ...] [--epochs 15] [--batch-size 128] [--threads N]
                    [--data DIR] [--verbose 1] [--tensorboard DIR]
                    [--plot FILE] [--profile DIR] [--save FILE] [--load FILE]
-                   [--export STEM]
+                   [--export STEM] [--no-augment]
    --save FILE writes the trained model with mpt_model_save; --load FILE
    rebuilds it with mpt_model_load instead of building it in code (with
    --epochs 0 it is only evaluated; a larger --epochs trains it on from
@@ -26,12 +31,31 @@
 #include "common.h"
 #include "resnet20.h" /* the layers, shared with bench/bench_train.c */
 
+/* Keras' data augmentation at the model's input, active in training only:
+       RandomFlip("horizontal"),
+       RandomTranslation(0.1, 0.1, fill_mode="constant", interpolation="nearest")
+   Fashion-MNIST's background is 0, so the pixels shifted in are 0
+   ("constant", fill_value 0) rather than a reflection of the garment's
+   edge (Keras' "reflect"). "nearest" shifts by whole pixels (up to 3 of
+   28), the random crops after padding of He et al.'s CIFAR recipe:
+   training images stay as sharp as the test images, where bilinear
+   interpolation at a fractional shift would blur only the training ones. */
+static mpt_node add_augmentation(mpt_model *m, mpt_node x) {
+    x = mpt_random_flip(m, x, &(mpt_random_flip_desc){ .mode = MPT_FLIP_HORIZONTAL });
+    return mpt_random_translation(m, x, &(mpt_random_translation_desc){
+        .height_factor = { -0.1f, 0.1f }, .width_factor = { -0.1f, 0.1f },
+        .fill_mode = MPT_FILL_CONSTANT, .interpolation = MPT_INTERPOLATION_NEAREST });
+}
+
 static mpt_status build_resnet20(mpt_context *ctx, const options *o, mpt_model **out) {
     mpt_status s = mpt_model_create(ctx, &(mpt_model_desc){ .input_shape = { 28, 28, 1 },
                                                             .input_rank = 3, .policy = o->policy,
                                                             .seed = o->seed }, out);
-    if (s == MPT_OK) s = add_resnet20_layers(*out);
-    return s;
+    mpt_node x;
+    if (s != MPT_OK) return s;
+    x = mpt_model_input(*out);
+    if (o->augment) x = add_augmentation(*out, x);
+    return add_resnet20_layers_on(*out, x);
 }
 
 int main(int argc, char **argv) {
@@ -42,6 +66,7 @@ int main(int argc, char **argv) {
     char summary[16384];
     int rc;
     o.model_files = 1;
+    o.augment_flag = 1;
     rc = open_fashion_mnist(argc, argv, &o, &ctx, &all, &test);
     if (rc) return rc;
     TRY(mpt_dataset_split(ctx, all, mpt_dataset_count(all) - 10000, &train, &validation));

@@ -46,12 +46,12 @@ static inline mpt_node resnet_basic_block(mpt_model *m, mpt_node x, int64_t filt
     return resnet_relu(m, mpt_add(m, 2, sum, NULL));
 }
 
-/* ResNet-20 on m's input (a model just created, its input an image), to
-   a Dense(10, softmax) output. Returns MPT_OK: a failed call is kept by
-   the model, and mpt_model_build returns it with its message. */
-static inline mpt_status add_resnet20_layers(mpt_model *m) {
+/* ResNet-20 on node `in` (an image), to a Dense(10, softmax) output.
+   Returns MPT_OK: a failed call is kept by the model, and
+   mpt_model_build returns it with its message. */
+static inline mpt_status add_resnet20_layers_on(mpt_model *m, mpt_node in) {
     static const int64_t filters[3] = { 16, 32, 64 };
-    mpt_node x = resnet_relu(m, resnet_bn(m, resnet_conv(m, mpt_model_input(m), 16, 3, 1)));
+    mpt_node x = resnet_relu(m, resnet_bn(m, resnet_conv(m, in, 16, 3, 1)));
     int stage, block;
     for (stage = 0; stage < 3; stage++)
         for (block = 0; block < 3; block++)
@@ -59,6 +59,11 @@ static inline mpt_status add_resnet20_layers(mpt_model *m) {
     x = mpt_global_average_pooling2d(m, x, NULL);
     mpt_dense(m, x, &(mpt_dense_desc){ .units = 10, .activation = MPT_ACT_SOFTMAX });
     return MPT_OK;
+}
+
+/* ResNet-20 on m's input (a model just created, its input an image). */
+static inline mpt_status add_resnet20_layers(mpt_model *m) {
+    return add_resnet20_layers_on(m, mpt_model_input(m));
 }
 
 #endif

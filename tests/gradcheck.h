@@ -275,6 +275,7 @@ static void gc_check(mpt_context *ctx, gc_case *c, const char *label) {
     }
     for (k = 0; n_out > 1 && k < n_out; k++) { /* each output's gradient in its buffer */
         mpt_tensor g;
+        memset(&g, 0, sizeof g); /* gcc -O2 cannot see that the call fills it */
         CHECK(mpt_model_output_grad_at(m, k, &g) == MPT_OK, "%s: output_grad_at: %s", label,
               mpt_context_error(ctx));
         mpt_convert(ctx, g.dtype, g.data, MPT_FLOAT32, rf + c->batch * out_at[k],

@@ -85,17 +85,26 @@ static mpt_node down_block(mpt_model *m, mpt_node x, int64_t filters, int with_b
     return mpt_activation_layer(m, mpt_add(m, 2, two, NULL), &relu);
 }
 
+/* The model's input through RandomFlip and RandomTranslation, which
+   training alone runs: the export and quantization leave both out, and
+   the file's input feeds every layer that reads their output. */
+static mpt_node augmented_input(mpt_model *m) {
+    mpt_node x = mpt_random_flip(m, mpt_model_input(m), NULL);
+    return mpt_random_translation(m, x, &(mpt_random_translation_desc){
+        .height_factor = {-0.1f, 0.1f}, .width_factor = {-0.1f, 0.1f}});
+}
+
 /* A graph with every merge and what the walk must not fold: a Conv2D
    whose output two layers read keeps its BatchNormalization apart (and the
    ReLU after it), one read once has it folded; ZeroPadding2D with
    uneven sides; Add of three (Sum), Subtract, Multiply, Average of three;
    Concatenate over the channels (one input the model's, NHWC in ONNX)
    and over the rows (two Conv2D outputs, NCHW in ONNX); a Conv2D applied
-   twice (a shared layer); ResNet's downsampling block; Dropout and a
-   linear Activation, which leave nothing. with_bn 0 leaves
-   BatchNormalization out. */
+   twice (a shared layer); ResNet's downsampling block; Dropout, a
+   linear Activation and the augmentation layers on the input, which
+   leave nothing. with_bn 0 leaves BatchNormalization out. */
 static void add_graph(mpt_model *m, int with_bn) {
-    mpt_node x = mpt_model_input(m), in[3], a, r, c0, s1, d, mul, av, pool, twin, c2, e, y;
+    mpt_node x = augmented_input(m), in[3], a, r, c0, s1, d, mul, av, pool, twin, c2, e, y;
     mpt_zero_padding2d_desc pad = {.padding = {{1, 2}, {0, 3}}};
     c0 = conv_node(m, mpt_zero_padding2d(m, x, &pad), 4, 4, MPT_PADDING_VALID); /* (28, 28, 4) */
     a = conv_node(m, x, 4, 3, MPT_PADDING_SAME);
@@ -135,11 +144,12 @@ static void add_graph(mpt_model *m, int with_bn) {
    Conv2D nothing else reads): a residual block (Add), ResNet's
    downsampling block, a Concatenate of it with a MaxPooling2D of the
    block's output (two scales), ZeroPadding2D before a Conv2D, a Multiply
-   and a Subtract, GlobalAveragePooling2D and a softmax. */
+   and a Subtract, GlobalAveragePooling2D and a softmax; the augmentation
+   layers on the input, which quantization leaves out. */
 static void add_resnet(mpt_model *m, int with_bn) {
     mpt_activation_desc relu = {.activation = MPT_ACT_RELU};
     mpt_node r, a, two[2];
-    r = conv_node(m, mpt_model_input(m), 8, 3, MPT_PADDING_SAME);
+    r = conv_node(m, augmented_input(m), 8, 3, MPT_PADDING_SAME);
     if (with_bn) r = mpt_batch_normalization(m, r, NULL);
     r = mpt_activation_layer(m, r, &relu);
     a = conv_node(m, r, 8, 3, MPT_PADDING_SAME);

@@ -39,6 +39,7 @@ static mpt_model *saved_and_loaded(mpt_model *m, const char *path, const char *a
 /* The model's predictions on data (float32, n values). */
 static void predictions(mpt_model *m, const mpt_dataset *data, float *out, int64_t n) {
     mpt_tensor y;
+    memset(&y, 0, sizeof y); /* gcc -O2 cannot see that predict fills it */
     CHECK(mpt_model_predict(m, data, 32, &y) == MPT_OK, "predict: %s", mpt_context_error(ctx));
     CHECK(mpt_tensor_count(&y) == n, "%lld predictions, want %lld", (long long)mpt_tensor_count(&y),
           (long long)n);
@@ -195,7 +196,17 @@ static mpt_model *every_layer_model(void) {
                                        .seed = 0xFFFFFFFFFFFFFFFFull,
                                        .memory_limit = 1 << 30},
                      &m);
-    x = mpt_model_input(m);
+    x = mpt_random_flip(m, mpt_model_input(m),
+                        &(mpt_random_flip_desc){.mode = MPT_FLIP_VERTICAL, .seed = 5});
+    x = mpt_random_translation(m, x,
+                               &(mpt_random_translation_desc){.height_factor = {-0.2f, 0.1f},
+                                                              .width_factor = {0.3f, -0.25f},
+                                                              .fill_mode = MPT_FILL_WRAP,
+                                                              .interpolation =
+                                                                  MPT_INTERPOLATION_NEAREST,
+                                                              .fill_value = 0.5f,
+                                                              .seed = 9,
+                                                              .name = "shift"});
     a = mpt_conv2d(m, x,
                    &(mpt_conv2d_desc){.filters = 4,
                                       .kernel_size = {3, 2},
@@ -273,7 +284,7 @@ static void test_every_layer_round_trip(void) {
     forward_of(m, &t, out_a, 21);
     forward_of(loaded, &t, out_b, 21);
     CHECK(memcmp(out_a, out_b, sizeof out_a) == 0, "the loaded model predicts other bits");
-    expect_name_and_float32(loaded, 3, "avg", 4);
+    expect_name_and_float32(loaded, 5, "avg", 6);
     {   /* LayerNormalization's descriptor came back field by field */
         const mpt__layer *ln = mpt__find_layer(loaded, "ln");
         const mpt__layer *ln1 = mpt__find_layer(loaded, "layer_normalization");
@@ -286,6 +297,19 @@ static void test_every_layer_round_trip(void) {
         CHECK(ln1 && ln1->desc.layer_normalization.no_center && ln1->dtype == MPT_FLOAT32 &&
                   ln1->n_params == 1,
               "LayerNormalization 'layer_normalization' came back otherwise");
+    }
+    {   /* the augmentation layers' descriptors, field by field */
+        const mpt__layer *f = mpt__find_layer(loaded, "random_flip");
+        const mpt__layer *t = mpt__find_layer(loaded, "shift");
+        const mpt_random_translation_desc *d = t ? &t->desc.random_translation : NULL;
+        CHECK(f && f->desc.random_flip.mode == MPT_FLIP_VERTICAL && f->desc.random_flip.seed == 5,
+              "RandomFlip came back otherwise");
+        CHECK(d && d->height_factor[0] == -0.2f && d->height_factor[1] == 0.1f &&
+                  d->width_factor[0] == 0.3f && d->width_factor[1] == -0.25f &&
+                  d->fill_mode == MPT_FILL_WRAP &&
+                  d->interpolation == MPT_INTERPOLATION_NEAREST && d->fill_value == 0.5f &&
+                  d->seed == 9,
+              "RandomTranslation 'shift' came back otherwise");
     }
 done:
     mpt_model_destroy(loaded);

@@ -148,13 +148,15 @@ static void architecture_seed(mpt_context *ctx, mpt_model *m, const char *name) 
     mpt__free(ctx, t.s);
 }
 
-/* A graph of every merge, ZeroPadding2D, a shared layer and a dtype given,
-   compiled. */
+/* A graph of every merge, ZeroPadding2D, the augmentation layers, a
+   shared layer and a dtype given, compiled. */
 static mpt_model *graph_model(mpt_context *ctx) {
     mpt_model *m = NULL;
     mpt_model_desc md;
     mpt_conv2d_desc conv;
     mpt_zero_padding2d_desc pad;
+    mpt_random_flip_desc flip;
+    mpt_random_translation_desc shift;
     mpt_concatenate_desc cat;
     mpt_dense_desc dense;
     mpt_compile_desc cd;
@@ -171,7 +173,14 @@ static mpt_model *graph_model(mpt_context *ctx) {
     pad.padding[1][0] = 2;
     memset(&cat, 0, sizeof cat);
     cat.axis = 2;
-    x = mpt_model_input(m);
+    memset(&flip, 0, sizeof flip);
+    flip.mode = MPT_FLIP_HORIZONTAL;
+    memset(&shift, 0, sizeof shift);
+    shift.height_factor[0] = -0.1f, shift.height_factor[1] = 0.2f;
+    shift.width_factor[0] = shift.width_factor[1] = 0.25f;
+    shift.fill_mode = MPT_FILL_CONSTANT, shift.interpolation = MPT_INTERPOLATION_NEAREST;
+    shift.fill_value = 1, shift.seed = 3;
+    x = mpt_random_translation(m, mpt_random_flip(m, mpt_model_input(m), &flip), &shift);
     a = mpt_conv2d(m, x, &conv);             /* c1 */
     b = mpt_apply_layer(m, "conv2d", 1, &x); /* c2: c1's weights again */
     two[0] = a, two[1] = b;

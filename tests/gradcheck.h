@@ -371,17 +371,15 @@ static inline void gc_check_policies(mpt_context *ctx,
                                      void (*ref_forward)(const gc_case *c, const double *x,
                                                          double *const *params, double *y),
                                      const char *what) {
-    static const mpt_policy gc_policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
-                                             MPT_POLICY_MIXED_BFLOAT16};
     int k;
     for (k = 0; k < 3; k++) {
         mpt_model *m;
         gc_case c;
         char label[96];
         test__begin();
-        m = build(ctx, gc_policies[k]);
+        m = build(ctx, test_policies[k]);
         CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        snprintf(label, sizeof label, "%s, %s", what, mpt_policy_name(gc_policies[k]));
+        snprintf(label, sizeof label, "%s, %s", what, mpt_policy_name(test_policies[k]));
         memset(&c, 0, sizeof c);
         c.model = m;
         c.batch = 5;

@@ -108,6 +108,10 @@ static inline mpt_context *counting_ctx(counting_alloc *c) {
     return test_ctx_with(2, quiet_logger, counting);
 }
 
+/* The three policies, for the tests that run a case in each. */
+static const mpt_policy test_policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                           MPT_POLICY_MIXED_BFLOAT16};
+
 /* Adam at 0.01, sparse categorical crossentropy, accuracy: how the test
    classifiers compile. */
 static inline void test_compile_classifier(mpt_context *c, mpt_model *m) {
@@ -757,6 +761,27 @@ static inline void test_json_refused(mpt_context *q, int k, mpt_status s, const 
     CHECK(s != MPT_OK && !m, "case %d: read", k);
     CHECK(strstr(mpt_context_error(q), words) != NULL, "case %d: message '%s' lacks '%s'", k,
           mpt_context_error(q), words);
+}
+
+/* Case k of a table of architecture JSON for a float32 model of input (3):
+   its layers, then the rest of the document (rest: "" or ",\"key\":..."),
+   read as mpt_model_load reads a file's; refused with a message (q's)
+   that holds words, or, words NULL, read into a model whose count (its
+   inputs or its outputs) is 2. */
+static inline void test_json_case(mpt_context *q, int k, const char *layers, const char *rest,
+                                  const char *words, int (*count)(const mpt_model *m)) {
+    char doc[2048];
+    mpt_model *m;
+    mpt_status s;
+    snprintf(doc, sizeof doc, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[3],"
+             "\"policy\":\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":4,"
+             "\"layers\":[%s]%s}", layers, rest);
+    s = test_model_from_json(q, doc, &m);
+    if (!words)
+        CHECK(s == MPT_OK && count(m) == 2, "case %d: %s", k, mpt_context_error(q));
+    else
+        test_json_refused(q, k, s, m, words);
+    mpt_model_destroy(m);
 }
 
 /* Two models trained alike, `two` on a strategy of replicas: each history

@@ -112,16 +112,35 @@ static inline mpt_context *counting_ctx(counting_alloc *c) {
 static const mpt_policy test_policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
                                            MPT_POLICY_MIXED_BFLOAT16};
 
-/* Adam at 0.01, sparse categorical crossentropy, accuracy: how the test
-   classifiers compile. */
-static inline void test_compile_classifier(mpt_context *c, mpt_model *m) {
+/* Optimizer `type` at learning rate lr, sparse categorical crossentropy,
+   accuracy; c is m's context. */
+static inline void test_compile_classifier_with(mpt_context *c, mpt_model *m,
+                                                mpt_optimizer_type type, float lr) {
     mpt_compile_desc cd;
     memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
-    cd.optimizer.learning_rate = 0.01f;
+    cd.optimizer.type = type;
+    cd.optimizer.learning_rate = lr;
     cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
     cd.metrics = MPT_METRIC_ACCURACY;
     CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+}
+
+/* Adam at 0.01, sparse categorical crossentropy, accuracy: how the test
+   classifiers compile. */
+static inline void test_compile_classifier(mpt_context *c, mpt_model *m) {
+    test_compile_classifier_with(c, m, MPT_OPTIMIZER_ADAM, 0.01f);
+}
+
+/* Layer `layer`'s parameter `suffix` ("kernel", "gamma") of m into *info:
+   1, or 0 where the layer has no such parameter. */
+static inline int test_param_named(mpt_model *m, const char *layer, const char *suffix,
+                                   mpt_param_info *info) {
+    char name[160];
+    int p;
+    snprintf(name, sizeof name, "%s/%s", layer, suffix);
+    for (p = 0; p < mpt_model_param_count(m); p++)
+        if (mpt_model_param(m, p, info) == MPT_OK && strcmp(info->name, name) == 0) return 1;
+    return 0;
 }
 
 /* Compiles a model of two outputs, a class and a number, as the tests of

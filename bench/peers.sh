@@ -94,6 +94,15 @@ measure() {
         >>"$PEERS_DIR/results.jsonl"
 }
 
+# peers_finish: the script's end; it fails, saying so, when a run printed no
+# result (FAILED_RUNS; what the run wrote to stderr is in $PEERS_DIR/*.err).
+peers_finish() {
+    if [ "$FAILED_RUNS" -gt 0 ]; then
+        echo "$PEERS_NAME: $FAILED_RUNS run(s) printed no result (see $PEERS_DIR/*.err)" >&2
+        exit 1
+    fi
+}
+
 # ---- PyTorch's configuration ------------------------------------------------------
 # OpenBLAS with the core type the CPU has (the environment may preset a
 # slower one), glibc's malloc thresholds fixed (otherwise large activations

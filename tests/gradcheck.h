@@ -340,6 +340,29 @@ done:
     free(x); free(xf); free(dx_num); free(dx_lib); free(y_ref); free(y_tmp); free(r); free(rf);
 }
 
+/* The check of m, a model of one layer that draws at random (keyed by the
+   training step, which ref_forward reads from c->model): built for batch
+   samples and set at step, in training against ref_forward with its data
+   user; then m is destroyed and the case, "gradcheck <label>", ends. */
+static inline void gc_check_random_layer(mpt_context *ctx, mpt_model *m, int64_t batch,
+                                         uint64_t step,
+                                         void (*ref_forward)(const gc_case *c, const double *x,
+                                                             double *const *params, double *y),
+                                         void *user, const char *label) {
+    gc_case c;
+    CHECK(mpt_model_build(m, batch) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    m->step = step;
+    memset(&c, 0, sizeof c);
+    c.model = m;
+    c.batch = batch;
+    c.training = 1;
+    c.ref_forward = ref_forward;
+    c.user = user;
+    gc_check(ctx, &c, label);
+    mpt_model_destroy(m);
+    test__end("gradcheck %s", label);
+}
+
 /* The check of the model build(ctx, policy) makes, under float32,
    mixed_float16 and mixed_bfloat16: one case each, "<what>, <policy>", of
    5 samples in training against ref_forward, the model built for 8. */
@@ -348,17 +371,15 @@ static inline void gc_check_policies(mpt_context *ctx,
                                      void (*ref_forward)(const gc_case *c, const double *x,
                                                          double *const *params, double *y),
                                      const char *what) {
-    static const mpt_policy gc_policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
-                                             MPT_POLICY_MIXED_BFLOAT16};
     int k;
     for (k = 0; k < 3; k++) {
         mpt_model *m;
         gc_case c;
         char label[96];
         test__begin();
-        m = build(ctx, gc_policies[k]);
+        m = build(ctx, test_policies[k]);
         CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
-        snprintf(label, sizeof label, "%s, %s", what, mpt_policy_name(gc_policies[k]));
+        snprintf(label, sizeof label, "%s, %s", what, mpt_policy_name(test_policies[k]));
         memset(&c, 0, sizeof c);
         c.model = m;
         c.batch = 5;

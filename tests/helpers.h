@@ -108,16 +108,39 @@ static inline mpt_context *counting_ctx(counting_alloc *c) {
     return test_ctx_with(2, quiet_logger, counting);
 }
 
-/* Adam at 0.01, sparse categorical crossentropy, accuracy: how the test
-   classifiers compile. */
-static inline void test_compile_classifier(mpt_context *c, mpt_model *m) {
+/* The three policies, for the tests that run a case in each. */
+static const mpt_policy test_policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
+                                           MPT_POLICY_MIXED_BFLOAT16};
+
+/* Optimizer `type` at learning rate lr, sparse categorical crossentropy,
+   accuracy; c is m's context. */
+static inline void test_compile_classifier_with(mpt_context *c, mpt_model *m,
+                                                mpt_optimizer_type type, float lr) {
     mpt_compile_desc cd;
     memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_ADAM;
-    cd.optimizer.learning_rate = 0.01f;
+    cd.optimizer.type = type;
+    cd.optimizer.learning_rate = lr;
     cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
     cd.metrics = MPT_METRIC_ACCURACY;
     CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+}
+
+/* Adam at 0.01, sparse categorical crossentropy, accuracy: how the test
+   classifiers compile. */
+static inline void test_compile_classifier(mpt_context *c, mpt_model *m) {
+    test_compile_classifier_with(c, m, MPT_OPTIMIZER_ADAM, 0.01f);
+}
+
+/* Layer `layer`'s parameter `suffix` ("kernel", "gamma") of m into *info:
+   1, or 0 where the layer has no such parameter. */
+static inline int test_param_named(mpt_model *m, const char *layer, const char *suffix,
+                                   mpt_param_info *info) {
+    char name[160];
+    int p;
+    snprintf(name, sizeof name, "%s/%s", layer, suffix);
+    for (p = 0; p < mpt_model_param_count(m); p++)
+        if (mpt_model_param(m, p, info) == MPT_OK && strcmp(info->name, name) == 0) return 1;
+    return 0;
 }
 
 /* Compiles a model of two outputs, a class and a number, as the tests of
@@ -757,6 +780,27 @@ static inline void test_json_refused(mpt_context *q, int k, mpt_status s, const 
     CHECK(s != MPT_OK && !m, "case %d: read", k);
     CHECK(strstr(mpt_context_error(q), words) != NULL, "case %d: message '%s' lacks '%s'", k,
           mpt_context_error(q), words);
+}
+
+/* Case k of a table of architecture JSON for a float32 model of input (3):
+   its layers, then the rest of the document (rest: "" or ",\"key\":..."),
+   read as mpt_model_load reads a file's; refused with a message (q's)
+   that holds words, or, words NULL, read into a model whose count (its
+   inputs or its outputs) is 2. */
+static inline void test_json_case(mpt_context *q, int k, const char *layers, const char *rest,
+                                  const char *words, int (*count)(const mpt_model *m)) {
+    char doc[2048];
+    mpt_model *m;
+    mpt_status s;
+    snprintf(doc, sizeof doc, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[3],"
+             "\"policy\":\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":4,"
+             "\"layers\":[%s]%s}", layers, rest);
+    s = test_model_from_json(q, doc, &m);
+    if (!words)
+        CHECK(s == MPT_OK && count(m) == 2, "case %d: %s", k, mpt_context_error(q));
+    else
+        test_json_refused(q, k, s, m, words);
+    mpt_model_destroy(m);
 }
 
 /* Two models trained alike, `two` on a strategy of replicas: each history

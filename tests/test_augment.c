@@ -10,12 +10,6 @@
 
 static mpt_context *ctx;
 
-static mpt_context *threads_ctx(int n) {
-    mpt_context *c;
-    mpt_context_create(&(mpt_context_desc){.num_threads = n}, &c);
-    return c;
-}
-
 /* A model of one RandomTranslation (or RandomFlip when t is NULL) on
    (h, w, ch) images, built for `batch`. */
 static mpt_model *augment_model(mpt_context *c, int64_t h, int64_t w, int64_t ch,
@@ -273,7 +267,7 @@ static void test_threads(void) {
     int t, h, i;
     for (i = 0; i < N; i++) x[i] = (float)test_uniform(-1, 1), dy[i] = (float)test_uniform(-1, 1);
     for (t = 0; t < 2; t++) {
-        mpt_context *c = threads_ctx(t + 1);
+        mpt_context *c = test_ctx_logging(t + 1, NULL);
         for (h = 0; h < 2; h++) {
             mpt_model *m = NULL;
             mpt_tensor tdy, tdx;
@@ -335,41 +329,37 @@ static double ref_at(const double *x, int64_t r, int64_t q, int64_t ch, int64_t 
     return r < 0 || r >= H || q < 0 || q >= W ? fill : x[(r * W + q) * C + ch];
 }
 
-typedef struct translation_ref {
-    mpt_model *m;
-    mpt_random_translation_desc d;
-} translation_ref;
-
+/* One RandomTranslation in double: c->user is its descriptor. */
 static void translation_forward_ref(const gc_case *c, const double *x, double *const *params,
                                     double *y) {
-    const translation_ref *t = (const translation_ref *)c->user;
-    const mpt__layer *L = &t->m->layers[0];
+    const mpt_random_translation_desc *t = (const mpt_random_translation_desc *)c->user;
+    const mpt__layer *L = &c->model->layers[0];
     int64_t H = L->in_shape[0], W = L->in_shape[1], C = L->in_shape[2], b, i, j, ch;
-    float hl = fminf(t->d.height_factor[0], t->d.height_factor[1]);
-    float hh = fmaxf(t->d.height_factor[0], t->d.height_factor[1]);
-    float wl = fminf(t->d.width_factor[0], t->d.width_factor[1]);
-    float wh = fmaxf(t->d.width_factor[0], t->d.width_factor[1]);
+    float hl = fminf(t->height_factor[0], t->height_factor[1]);
+    float hh = fmaxf(t->height_factor[0], t->height_factor[1]);
+    float wl = fminf(t->width_factor[0], t->width_factor[1]);
+    float wh = fmaxf(t->width_factor[0], t->width_factor[1]);
     (void)params;
     for (b = 0; b < c->batch; b++) {
         const double *xb = x + b * H * W * C;
-        double dy = ref_shift(L->seed, t->m->step, b, 0, hl, hh, H);
-        double dx = ref_shift(L->seed, t->m->step, b, 1, wl, wh, W);
+        double dy = ref_shift(L->seed, c->model->step, b, 0, hl, hh, H);
+        double dx = ref_shift(L->seed, c->model->step, b, 1, wl, wh, W);
         for (i = 0; i < H; i++)
             for (j = 0; j < W; j++)
                 for (ch = 0; ch < C; ch++) {
-                    double sy = ref_map((double)i - dy, H, t->d.fill_mode);
-                    double sx = ref_map((double)j - dx, W, t->d.fill_mode);
+                    double sy = ref_map((double)i - dy, H, t->fill_mode);
+                    double sx = ref_map((double)j - dx, W, t->fill_mode);
                     double *out = y + ((b * H + i) * W + j) * C + ch, fy, fx;
-                    if (t->d.interpolation == MPT_INTERPOLATION_NEAREST) {
+                    if (t->interpolation == MPT_INTERPOLATION_NEAREST) {
                         *out = ref_at(xb, (int64_t)round(sy), (int64_t)round(sx), ch, H, W, C,
-                                      t->d.fill_value);
+                                      t->fill_value);
                         continue;
                     }
                     fy = floor(sy), fx = floor(sx);
-                    *out = (fy + 1 - sy) * ((fx + 1 - sx) * ref_at(xb, (int64_t)fy, (int64_t)fx, ch, H, W, C, t->d.fill_value) +
-                                            (sx - fx) * ref_at(xb, (int64_t)fy, (int64_t)fx + 1, ch, H, W, C, t->d.fill_value)) +
-                           (sy - fy) * ((fx + 1 - sx) * ref_at(xb, (int64_t)fy + 1, (int64_t)fx, ch, H, W, C, t->d.fill_value) +
-                                        (sx - fx) * ref_at(xb, (int64_t)fy + 1, (int64_t)fx + 1, ch, H, W, C, t->d.fill_value));
+                    *out = (fy + 1 - sy) * ((fx + 1 - sx) * ref_at(xb, (int64_t)fy, (int64_t)fx, ch, H, W, C, t->fill_value) +
+                                            (sx - fx) * ref_at(xb, (int64_t)fy, (int64_t)fx + 1, ch, H, W, C, t->fill_value)) +
+                           (sy - fy) * ((fx + 1 - sx) * ref_at(xb, (int64_t)fy + 1, (int64_t)fx, ch, H, W, C, t->fill_value) +
+                                        (sx - fx) * ref_at(xb, (int64_t)fy + 1, (int64_t)fx + 1, ch, H, W, C, t->fill_value));
                 }
     }
 }
@@ -377,51 +367,41 @@ static void translation_forward_ref(const gc_case *c, const double *x, double *c
 static void check_translation_gradient(mpt_dtype dtype, mpt_fill_mode fill,
                                        mpt_interpolation interp) {
     mpt_model *m = NULL;
-    translation_ref t;
+    mpt_random_translation_desc t;
     char label[96];
     test__begin();
     snprintf(label, sizeof label, "RandomTranslation fill %d interpolation %d %s", (int)fill,
              (int)interp, mpt_dtype_name(dtype));
     memset(&t, 0, sizeof t);
-    t.d.height_factor[0] = -0.45f, t.d.height_factor[1] = 0.4f;
-    t.d.width_factor[0] = 0.5f, t.d.width_factor[1] = -0.35f;
-    t.d.fill_mode = fill;
-    t.d.interpolation = interp;
-    t.d.fill_value = 0.25f;
-    t.d.dtype = dtype;
+    t.height_factor[0] = -0.45f, t.height_factor[1] = 0.4f;
+    t.width_factor[0] = 0.5f, t.width_factor[1] = -0.35f;
+    t.fill_mode = fill;
+    t.interpolation = interp;
+    t.fill_value = 0.25f;
+    t.dtype = dtype;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {5, 4, 2}, .input_rank = 3,
                                             .seed = 21}, &m);
-    CHECK(mpt_model_add_random_translation(m, &t.d) == MPT_OK, "add: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_build(m, 6) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    m->step = 13;
-    t.m = m;
-    gc_check(ctx, &(gc_case){.model = m, .batch = 6, .training = 1,
-                             .ref_forward = translation_forward_ref, .user = &t}, label);
-    mpt_model_destroy(m);
-    test__end("gradcheck %s", label);
+    CHECK(mpt_model_add_random_translation(m, &t) == MPT_OK, "add: %s", mpt_context_error(ctx));
+    gc_check_random_layer(ctx, m, 6, 13, translation_forward_ref, &t, label);
 }
 
-typedef struct flip_ref {
-    mpt_model *m;
-    mpt_flip_mode mode;
-} flip_ref;
-
+/* One RandomFlip in double: c->user is its mode. */
 static void flip_forward_ref(const gc_case *c, const double *x, double *const *params,
                              double *y) {
-    const flip_ref *f = (const flip_ref *)c->user;
-    const mpt__layer *L = &f->m->layers[0];
+    const mpt_flip_mode mode = *(const mpt_flip_mode *)c->user;
+    const mpt__layer *L = &c->model->layers[0];
     int64_t H = L->in_shape[0], W = L->in_shape[1], C = L->in_shape[2], b, i, j, ch;
     (void)params;
     for (b = 0; b < c->batch; b++) {
         uint32_t r[4];
         int flip;
-        mpt_philox4x32(L->seed, f->m->step, (uint64_t)b, r);
+        mpt_philox4x32(L->seed, c->model->step, (uint64_t)b, r);
         flip = (float)(r[0] >> 8) / 16777216.0f < 0.5f;
         for (i = 0; i < H; i++)
             for (j = 0; j < W; j++)
                 for (ch = 0; ch < C; ch++) {
-                    int64_t si = flip && f->mode != MPT_FLIP_HORIZONTAL ? H - 1 - i : i;
-                    int64_t sj = flip && f->mode != MPT_FLIP_VERTICAL ? W - 1 - j : j;
+                    int64_t si = flip && mode != MPT_FLIP_HORIZONTAL ? H - 1 - i : i;
+                    int64_t sj = flip && mode != MPT_FLIP_VERTICAL ? W - 1 - j : j;
                     y[((b * H + i) * W + j) * C + ch] = x[((b * H + si) * W + sj) * C + ch];
                 }
     }
@@ -429,7 +409,6 @@ static void flip_forward_ref(const gc_case *c, const double *x, double *const *p
 
 static void check_flip_gradient(mpt_dtype dtype, mpt_flip_mode mode) {
     mpt_model *m = NULL;
-    flip_ref f;
     char label[96];
     test__begin();
     snprintf(label, sizeof label, "RandomFlip mode %d %s", (int)mode, mpt_dtype_name(dtype));
@@ -437,14 +416,7 @@ static void check_flip_gradient(mpt_dtype dtype, mpt_flip_mode mode) {
                                             .seed = 4}, &m);
     CHECK(mpt_model_add_random_flip(m, &(mpt_random_flip_desc){.mode = mode, .dtype = dtype}) ==
               MPT_OK, "add: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    m->step = 2;
-    f.m = m;
-    f.mode = mode;
-    gc_check(ctx, &(gc_case){.model = m, .batch = 8, .training = 1,
-                             .ref_forward = flip_forward_ref, .user = &f}, label);
-    mpt_model_destroy(m);
-    test__end("gradcheck %s", label);
+    gc_check_random_layer(ctx, m, 8, 2, flip_forward_ref, &mode, label);
 }
 
 static void test_gradients(void) {

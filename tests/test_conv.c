@@ -2051,20 +2051,14 @@ static void plan_set(mpt_model *m, const char *suffix, double lo, double hi) {
 /* The float32 values of layer `layer`'s parameter `suffix` as doubles
    (malloc'd); NULL where it has none. */
 static double *plan_param(mpt_model *m, const char *layer, const char *suffix) {
-    char name[160];
-    int p;
-    snprintf(name, sizeof name, "%s/%s", layer, suffix);
-    for (p = 0; p < mpt_model_param_count(m); p++) {
-        mpt_param_info info;
-        mpt_model_param(m, p, &info);
-        if (strcmp(info.name, name) == 0) {
-            int64_t i, n = mpt_tensor_count(&info.value);
-            double *v = (double *)malloc(sizeof(double) * (size_t)n);
-            for (i = 0; i < n; i++) v[i] = ((const float *)info.value.data)[i];
-            return v;
-        }
-    }
-    return NULL;
+    mpt_param_info info;
+    int64_t i, n;
+    double *v;
+    if (!test_param_named(m, layer, suffix, &info)) return NULL;
+    n = mpt_tensor_count(&info.value);
+    v = (double *)malloc(sizeof(double) * (size_t)n);
+    for (i = 0; i < n; i++) v[i] = ((const float *)info.value.data)[i];
+    return v;
 }
 
 /* BatchNormalization's statistics and scale set to what a trained one
@@ -2333,7 +2327,6 @@ static void test_predict_no_fold(void) {
 static mpt_model *plan_classifier(mpt_context *c, int64_t filters, int64_t side,
                                   int64_t batch) {
     mpt_model *m = NULL;
-    mpt_compile_desc cd;
     mpt_model_create(c, &(mpt_model_desc){.input_shape = {side, side, 8}, .input_rank = 3,
                                           .seed = 11}, &m);
     mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = filters, .kernel_size = {3, 3},
@@ -2342,12 +2335,7 @@ static mpt_model *plan_classifier(mpt_context *c, int64_t filters, int64_t side,
     mpt_model_add_activation(m, &(mpt_activation_desc){.activation = MPT_ACT_RELU});
     mpt_model_add_global_average_pooling2d(m, NULL);
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 4, .activation = MPT_ACT_SOFTMAX});
-    memset(&cd, 0, sizeof cd);
-    cd.optimizer.type = MPT_OPTIMIZER_SGD;
-    cd.optimizer.learning_rate = 0.5f;
-    cd.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
-    cd.metrics = MPT_METRIC_ACCURACY;
-    CHECK(mpt_model_compile(m, &cd) == MPT_OK, "compile: %s", mpt_context_error(c));
+    test_compile_classifier_with(c, m, MPT_OPTIMIZER_SGD, 0.5f);
     CHECK(mpt_model_build(m, batch) == MPT_OK, "build: %s", mpt_context_error(c));
     return m;
 }

@@ -490,7 +490,70 @@ static void test_half_b(void) {
     }
 }
 
-/* Bad arguments: a status and a message that names the value. */
+/* A float32 product's operands, m × k by k × n, drawn in [-1, 1] (a, b
+   and n biases), and two outputs (m × n) to compare. */
+typedef struct f32_operands {
+    int64_t m, n, k;
+    float *a, *b, *bias, *c0, *c1;
+} f32_operands;
+
+static f32_operands f32_operands_new(int64_t m, int64_t n, int64_t k, unsigned seed) {
+    f32_operands x;
+    int64_t i;
+    x.m = m, x.n = n, x.k = k;
+    x.a = (float *)malloc(sizeof(float) * (size_t)(m * k));
+    x.b = (float *)malloc(sizeof(float) * (size_t)(k * n));
+    x.bias = (float *)malloc(sizeof(float) * (size_t)n);
+    x.c0 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+    x.c1 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+    test_seed(seed);
+    for (i = 0; i < m * k; i++) x.a[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < k * n; i++) x.b[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < n; i++) x.bias[i] = (float)test_uniform(-1, 1);
+    return x;
+}
+
+static void f32_operands_free(f32_operands *x) {
+    free(x->a), free(x->b), free(x->bias), free(x->c0), free(x->c1);
+}
+
+/* x's product with B as is, into c0: what B is packed from. */
+static mpt_gemm_desc f32_desc(const f32_operands *x) {
+    mpt_gemm_desc d;
+    memset(&d, 0, sizeof d);
+    d.m = x->m, d.n = x->n, d.k = x->k, d.b = x->b, d.ldb = x->n, d.c = x->c0, d.ldc = x->n;
+    return d;
+}
+
+/* x's product (d, from f32_desc) on B packed ahead in p against packing
+   it each call, in four epilogues (v: A as is, bias + relu; A transposed,
+   alpha and beta; sigmoid) on ctx[0..2]: how many of the products differ
+   in a bit; *cases counts them. misfit is the failure where the packing
+   does not fit d. */
+static int packed_products_differ(mpt_context *const ctx[3], mpt_gemm_desc *d,
+                                  const mpt__gemm_packed *p, const f32_operands *x,
+                                  const char *misfit, int *cases) {
+    const int64_t m = x->m, n = x->n, k = x->k;
+    int64_t i;
+    int v, t, bad = 0;
+    for (v = 0; v < 4; v++)
+        for (t = 0; t < 3; t++) {
+            d->trans_a = v == 1, d->a = x->a, d->lda = v == 1 ? m : k;
+            d->bias = v == 0 || v == 3 ? x->bias : NULL;
+            d->activation = v == 0 ? MPT_ACT_RELU : v == 3 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
+            d->alpha = v == 1 ? 0.75f : 0.0f, d->beta = v == 2 ? -0.5f : 0.0f;
+            for (i = 0; i < m * n; i++) x->c0[i] = x->c1[i] = (float)(i % 13) * 0.25f;
+            d->c = x->c0;
+            mpt__gemm(ctx[t], d);
+            d->c = x->c1;
+            CHECK(mpt__gemm_packed_fits(ctx[t], d, p), "%s", misfit);
+            mpt__gemm_on_packed(ctx[t], d, p);
+            bad += memcmp(x->c0, x->c1, sizeof(float) * (size_t)(m * n)) != 0;
+            (*cases)++;
+        }
+    return bad;
+}
+
 /* A float32 B packed once (mpt__gemm_pack_b_whole, as predict keeps a
    Dense's kernel) gives the bits of the product that packs it each call:
    depths of one and several blocks, column tails of a full and a half
@@ -513,46 +576,19 @@ static void test_packed_b(void) {
         bad = cases = 0;
         for (si = 0; have && si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
             const int64_t m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
-            float *a = (float *)malloc(sizeof(float) * (size_t)(m * k));
-            float *b = (float *)malloc(sizeof(float) * (size_t)(k * n));
-            float *bias = (float *)malloc(sizeof(float) * (size_t)n);
-            float *c0 = (float *)malloc(sizeof(float) * (size_t)(m * n));
-            float *c1 = (float *)malloc(sizeof(float) * (size_t)(m * n));
-            mpt__gemm_packed *p;
-            mpt_gemm_desc d;
-            int64_t i;
-            int v;
-            test_seed(300 + (unsigned)si);
-            for (i = 0; i < m * k; i++) a[i] = (float)test_uniform(-1, 1);
-            for (i = 0; i < k * n; i++) b[i] = (float)test_uniform(-1, 1);
-            for (i = 0; i < n; i++) bias[i] = (float)test_uniform(-1, 1);
-            memset(&d, 0, sizeof d);
-            d.m = m, d.n = n, d.k = k, d.b = b, d.ldb = n, d.c = c0, d.ldc = n;
-            p = mpt__gemm_pack_b_whole(ctx[0], &d);
+            f32_operands x = f32_operands_new(m, n, k, 300 + (unsigned)si);
+            mpt_gemm_desc d = f32_desc(&x);
+            mpt__gemm_packed *p = mpt__gemm_pack_b_whole(ctx[0], &d);
             CHECK(p != NULL, "%lldx%lldx%lld: packing failed", (long long)m, (long long)n,
                   (long long)k);
-            for (v = 0; p && v < 4; v++)
-                for (t = 0; t < 3; t++) {
-                    /* v: A as is, bias + relu; A transposed, alpha and beta; sigmoid */
-                    d.trans_a = v == 1, d.a = a, d.lda = v == 1 ? m : k;
-                    d.bias = v == 0 || v == 3 ? bias : NULL;
-                    d.activation = v == 0 ? MPT_ACT_RELU : v == 3 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
-                    d.alpha = v == 1 ? 0.75f : 0.0f, d.beta = v == 2 ? -0.5f : 0.0f;
-                    for (i = 0; i < m * n; i++) c0[i] = c1[i] = (float)(i % 13) * 0.25f;
-                    d.c = c0;
-                    mpt__gemm(ctx[t], &d);
-                    d.c = c1;
-                    CHECK(mpt__gemm_packed_fits(ctx[t], &d, p), "the packing does not fit");
-                    mpt__gemm_on_packed(ctx[t], &d, p);
-                    bad += memcmp(c0, c1, sizeof(float) * (size_t)(m * n)) != 0;
-                    cases++;
-                }
+            if (p)
+                bad += packed_products_differ(ctx, &d, p, &x, "the packing does not fit", &cases);
             /* only the AVX-512 path reads B in place, for at most 4 rows */
             CHECK(!p || mpt__gemm_packs_b(ctx[0], &d) ==
                             (m > 4 || !(mpt_context_cpu_features(ctx[0]) & MPT_CPU_AVX512)),
                   "%lld rows: whether B is packed", (long long)m);
             mpt__gemm_packed_free(ctx[0], p);
-            free(a), free(b), free(bias), free(c0), free(c1);
+            f32_operands_free(&x);
         }
         CHECK(bad == 0, "%d of %d products on B packed ahead differ", bad, cases);
         test__end("gemm on B packed ahead bit-identical to packing it each call, %s",
@@ -574,52 +610,27 @@ static void test_strips_b(void) {
         {4, 47, 1025}, {1, 300, 513}, {2, 1024, 96}, {1, 64, 7},
     };
     mpt_context *ctx[3];
-    int si, t, v, bad = 0, cases = 0;
+    int si, t, bad = 0, cases = 0;
     for (t = 0; t < 3; t++) ctx[t] = path_ctx(t + 1, 0);
     test__begin();
     for (si = 0; ctx[0] && si < (int)(sizeof shapes / sizeof shapes[0]); si++) {
         const int64_t m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
-        float *a = (float *)malloc(sizeof(float) * (size_t)(m * k));
-        float *b = (float *)malloc(sizeof(float) * (size_t)(k * n));
-        float *bias = (float *)malloc(sizeof(float) * (size_t)n);
-        float *c0 = (float *)malloc(sizeof(float) * (size_t)(m * n));
-        float *c1 = (float *)malloc(sizeof(float) * (size_t)(m * n));
         const int avx512 = (mpt_context_cpu_features(ctx[0]) & MPT_CPU_AVX512) != 0;
+        f32_operands x = f32_operands_new(m, n, k, 400 + (unsigned)si);
+        mpt_gemm_desc d = f32_desc(&x);
         mpt__gemm_packed *p;
-        mpt_gemm_desc d;
-        int64_t i;
-        test_seed(400 + (unsigned)si);
-        for (i = 0; i < m * k; i++) a[i] = (float)test_uniform(-1, 1);
-        for (i = 0; i < k * n; i++) b[i] = (float)test_uniform(-1, 1);
-        for (i = 0; i < n; i++) bias[i] = (float)test_uniform(-1, 1);
-        memset(&d, 0, sizeof d);
-        d.m = m, d.n = n, d.k = k, d.b = b, d.ldb = n, d.c = c0, d.ldc = n;
         CHECK(mpt__gemm_strips_b(ctx[0], &d) == avx512, "%lld rows: whether B is read in strips",
               (long long)m);
         p = mpt__gemm_pack_b_strips(ctx[0], &d);
         CHECK(!p == !avx512, "%lldx%lldx%lld: strips %s", (long long)m, (long long)n,
               (long long)k, p ? "made off the few-rows path" : "not made");
-        for (v = 0; p && v < 4; v++)
-            for (t = 0; t < 3; t++) {
-                d.trans_a = v == 1, d.a = a, d.lda = v == 1 ? m : k;
-                d.bias = v == 0 || v == 3 ? bias : NULL;
-                d.activation = v == 0 ? MPT_ACT_RELU : v == 3 ? MPT_ACT_SIGMOID : MPT_ACT_NONE;
-                d.alpha = v == 1 ? 0.75f : 0.0f, d.beta = v == 2 ? -0.5f : 0.0f;
-                for (i = 0; i < m * n; i++) c0[i] = c1[i] = (float)(i % 13) * 0.25f;
-                d.c = c0;
-                mpt__gemm(ctx[t], &d);
-                d.c = c1;
-                CHECK(mpt__gemm_packed_fits(ctx[t], &d, p), "the strips do not fit");
-                mpt__gemm_on_packed(ctx[t], &d, p);
-                bad += memcmp(c0, c1, sizeof(float) * (size_t)(m * n)) != 0;
-                cases++;
-            }
+        if (p) bad += packed_products_differ(ctx, &d, p, &x, "the strips do not fit", &cases);
         if (p) { /* five rows are no longer a few: the panels' product, which strips do not fit */
             d.m = 5;
             CHECK(!mpt__gemm_packed_fits(ctx[0], &d, p), "strips fit a product of 5 rows");
         }
         mpt__gemm_packed_free(ctx[0], p);
-        free(a), free(b), free(bias), free(c0), free(c1);
+        f32_operands_free(&x);
     }
     CHECK(bad == 0, "%d of %d products on B in strips differ", bad, cases);
     test__end("gemm on B kept in strips bit-identical to reading it in place (%d products)", cases);
@@ -722,6 +733,7 @@ static void test_predict_plan(void) {
     test__end("predict's packed weights follow every change of the weights");
 }
 
+/* Bad arguments: a status and a message that names the value. */
 static void expect_error(mpt_context *ctx, const mpt_gemm_desc *d, mpt_status want,
                          const char *needle, const char *what) {
     mpt_status s = mpt_gemm(ctx, d);

@@ -14,9 +14,6 @@ static mpt_context *ctx;
 static mpt_context *quiet; /* for the refusals: errors counted, not printed */
 static char tmpdir[512];
 
-static const mpt_policy policies[] = {MPT_POLICY_FLOAT32, MPT_POLICY_MIXED_FLOAT16,
-                                      MPT_POLICY_MIXED_BFLOAT16};
-
 /* ---- the task: stripes' orientation (the image) and a sign (the vector) ------
 
    Sample i: a 6×6 image of stripes, horizontal (a = 0) or vertical (a = 1),
@@ -112,13 +109,13 @@ static void test_two_inputs_learn(void) {
     int k;
     double acc;
     for (k = 0; k < 2; k++) {
-        mpt_model *m = two_input_model(ctx, policies[k], NULL);
-        CHECK(mpt_model_fit(m, train, &fit) == MPT_OK, "fit %s: %s", mpt_policy_name(policies[k]),
-              mpt_context_error(ctx));
+        mpt_model *m = two_input_model(ctx, test_policies[k], NULL);
+        CHECK(mpt_model_fit(m, train, &fit) == MPT_OK, "fit %s: %s",
+              mpt_policy_name(test_policies[k]), mpt_context_error(ctx));
         acc = held_out_accuracy(m, test);
         printf("# %s: held-out accuracy of the two-input model %.4f\n",
-               mpt_policy_name(policies[k]), acc);
-        CHECK(acc > 0.9, "%s: held-out accuracy %.4f", mpt_policy_name(policies[k]), acc);
+               mpt_policy_name(test_policies[k]), acc);
+        CHECK(acc > 0.9, "%s: held-out accuracy %.4f", mpt_policy_name(test_policies[k]), acc);
         CHECK(mpt_model_input_count(m) == 2, "%d inputs", mpt_model_input_count(m));
         mpt_model_destroy(m);
     }
@@ -320,21 +317,8 @@ static void test_file_inputs_refused(void) {
          "input 1 ('v') does not lead to the output"},
     };
     size_t k;
-    for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        char doc[2048];
-        mpt_model *m;
-        mpt_status s;
-        snprintf(doc, sizeof doc, "{\"format\":\"mpt.h model\",\"version\":1,\"input_shape\":[3],"
-                 "\"policy\":\"float32\",\"seed\":0,\"memory_limit\":0,\"max_batch\":4,"
-                 "\"layers\":[%s]}", cases[k].layers);
-        s = test_model_from_json(quiet, doc, &m);
-        if (!cases[k].words)
-            CHECK(s == MPT_OK && mpt_model_input_count(m) == 2, "case %d: %s", (int)k,
-                  mpt_context_error(quiet));
-        else
-            test_json_refused(quiet, (int)k, s, m, cases[k].words);
-        mpt_model_destroy(m);
-    }
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        test_json_case(quiet, (int)k, cases[k].layers, "", cases[k].words, mpt_model_input_count);
 #undef INPUT_LAYER
 #undef GOOD_SHAPE
 #undef CONCAT

@@ -9,13 +9,6 @@
 
 static mpt_context *ctx;
 
-
-static mpt_context *threads_ctx(int n) {
-    mpt_context *c;
-    mpt_context_create(&(mpt_context_desc){.num_threads = n}, &c);
-    return c;
-}
-
 /* A float32 input tensor over `data` of shape (batch, sample shape of m). */
 static void wrap_input(mpt_model *m, int64_t batch, float *data, mpt_tensor *t) {
     int64_t shape[4];
@@ -312,7 +305,7 @@ static void test_bn_threads(void) {
     float *y[2], *dx[2], *dgamma[2];
     int t;
     for (t = 0; t < 2; t++) {
-        mpt_context *c = threads_ctx(t == 0 ? 1 : 3);
+        mpt_context *c = test_ctx_logging(t == 0 ? 1 : 3, NULL);
         mpt_model *m = NULL;
         mpt_tensor tx, ty, tdy, tdx;
         mpt_param_info g;
@@ -546,24 +539,19 @@ static int ref_keep(uint64_t key, uint64_t step, int64_t i, float rate) {
     return (float)(r[i % 4] >> 8) / 16777216.0f >= rate;
 }
 
-typedef struct dropout_ref {
-    mpt_model *m;
-    float rate;
-} dropout_ref;
-
+/* One Dropout in double: c->user is its rate. */
 static void dropout_forward_ref(const gc_case *c, const double *x, double *const *params,
                                 double *y) {
-    const dropout_ref *d = (const dropout_ref *)c->user;
-    int64_t n = c->batch * d->m->layers[0].in_count, i;
-    double scale = 1.0f / (1.0f - d->rate);
+    const float rate = *(const float *)c->user;
+    int64_t n = c->batch * c->model->layers[0].in_count, i;
+    double scale = 1.0f / (1.0f - rate);
     (void)params;
     for (i = 0; i < n; i++)
-        y[i] = ref_keep(d->m->layers[0].seed, d->m->step, i, d->rate) ? x[i] * scale : 0;
+        y[i] = ref_keep(c->model->layers[0].seed, c->model->step, i, rate) ? x[i] * scale : 0;
 }
 
 static void check_dropout(mpt_dtype dtype, float rate, int rank) {
     mpt_model *m = NULL;
-    dropout_ref d;
     char label[96];
     test__begin();
     snprintf(label, sizeof label, "dropout rate %g rank %d %s", (double)rate, rank,
@@ -572,14 +560,7 @@ static void check_dropout(mpt_dtype dtype, float rate, int rank) {
                                             .seed = 9}, &m);
     CHECK(mpt_model_add_dropout(m, &(mpt_dropout_desc){.rate = rate, .dtype = dtype}) == MPT_OK,
           "add: %s", mpt_context_error(ctx));
-    CHECK(mpt_model_build(m, 4) == MPT_OK, "build");
-    m->step = 17;
-    d.m = m;
-    d.rate = rate;
-    gc_check(ctx, &(gc_case){.model = m, .batch = 4, .training = 1,
-                             .ref_forward = dropout_forward_ref, .user = &d}, label);
-    mpt_model_destroy(m);
-    test__end("gradcheck %s", label);
+    gc_check_random_layer(ctx, m, 4, 17, dropout_forward_ref, &rate, label);
 }
 
 static void test_dropout_gradients(void) {
@@ -675,7 +656,7 @@ static void test_dropout_threads(void) {
     float *x = random_floats(N, -1, 1), *y[2][2];
     int t, h;
     for (t = 0; t < 2; t++) {
-        mpt_context *c = threads_ctx(t + 1);
+        mpt_context *c = test_ctx_logging(t + 1, NULL);
         for (h = 0; h < 2; h++) {
             mpt_model *m = dropout_model(c, n, 0.5f, 3, 0, h ? MPT_FLOAT16 : MPT_FLOAT32);
             mpt_tensor tx, ty;
@@ -1118,7 +1099,7 @@ static void test_ln_threads(void) {
     int t, p;
     for (p = 0; p < 3; p++) {
         for (t = 0; t < 3; t++) {
-            mpt_context *c = t < 2 ? threads_ctx(t + 1) : path_ctx(2, ~0);
+            mpt_context *c = t < 2 ? test_ctx_logging(t + 1, NULL) : path_ctx(2, ~0);
             out[t] = (float *)malloc(sizeof(float) * OUT);
             ln_run(c, policies[p], B, T, D, x, dy, 11, out[t]);
             mpt_context_destroy(c);

@@ -26,27 +26,26 @@
 #endif
 
 static mpt_context *q;   /* one thread, expected errors counted, not printed */
-static char tmp_dir[64]; /* a fresh directory under /tmp for this run's files */
+static char tmp_dir[64]; /* a fresh directory under /tmp for this run's files, '/'-ended */
 static char fixtures[256];
 
 /* ---- files -------------------------------------------------------------------- */
 
-/* The fixture NumPy wrote: tests/data/npy/name, found beside this source. */
-static const char *fixture(const char *name) {
-    static char paths[64][320];
+/* dir then name, in the next of 256 buffers taken in turn: a path stays
+   good while the next 255 are made. */
+static const char *path_of(const char *dir, const char *name) {
+    static char paths[256][320];
     static int next;
-    char *p = paths[next++ % 64];
-    snprintf(p, sizeof paths[0], "%s%s", fixtures, name);
+    char *p = paths[next++ % 256];
+    snprintf(p, sizeof paths[0], "%s%s", dir, name);
     return p;
 }
 
-static const char *tmp_path(const char *name) {
-    static char paths[256][160];
-    static int next;
-    char *p = paths[next++ % 256];
-    snprintf(p, sizeof paths[0], "%s/%s", tmp_dir, name);
-    return p;
-}
+/* The fixture NumPy wrote: tests/data/npy/name, found beside this source. */
+static const char *fixture(const char *name) { return path_of(fixtures, name); }
+
+/* name in this run's directory. */
+static const char *tmp_path(const char *name) { return path_of(tmp_dir, name); }
 
 static const char *write_file(const char *name, const void *bytes, size_t n) {
     const char *path = tmp_path(name);
@@ -66,20 +65,6 @@ static size_t read_fixture(const char *name, unsigned char *buf, size_t cap) {
     n = fread(buf, 1, cap, f);
     fclose(f);
     return n;
-}
-
-static void remove_tmp_dir(void) {
-    DIR *d = opendir(tmp_dir);
-    struct dirent *e;
-    char path[512];
-    if (!d) return;
-    while ((e = readdir(d)) != NULL) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        snprintf(path, sizeof path, "%s/%s", tmp_dir, e->d_name);
-        unlink(path);
-    }
-    closedir(d);
-    rmdir(tmp_dir);
 }
 
 /* ---- the fixtures' values (make.py's formulas) -------------------------------- */
@@ -338,22 +323,73 @@ static void test_npy_refusals(void) {
 
 static unsigned char buf[4096], work[4096];
 
-/* An .npy of the given header text (padded as NumPy pads it) and `data`
-   bytes of zeros. */
-static const char *npy_with_header(const char *name, const char *header, size_t data) {
+/* An .npy (format 1.0) of `header` (padded as NumPy pads it) then the
+   n bytes at data (NULL: zeros) into out; its size. */
+static size_t npy_bytes(unsigned char *out, const char *header, const void *data, size_t n) {
     size_t len = strlen(header), total = (10 + len + 1 + 63) / 64 * 64;
-    memset(work, 0, sizeof work);
-    memcpy(work, "\x93NUMPY\x01\x00", 8);
-    work[8] = (unsigned char)((total - 10) & 255);
-    work[9] = (unsigned char)((total - 10) >> 8);
-    memset(work + 10, ' ', total - 10);
-    memcpy(work + 10, header, len);
-    work[total - 1] = '\n';
-    return write_file(name, work, total + data);
+    memcpy(out, "\x93NUMPY\x01\x00", 8);
+    out[8] = (unsigned char)((total - 10) & 255);
+    out[9] = (unsigned char)((total - 10) >> 8);
+    memset(out + 10, ' ', total - 10);
+    memcpy(out + 10, header, len);
+    out[total - 1] = '\n';
+    if (data) memcpy(out + total, data, n);
+    else memset(out + total, 0, n);
+    return total + n;
+}
+
+/* An .npy of the given header text and `data` bytes of zeros. */
+static const char *npy_with_header(const char *name, const char *header, size_t data) {
+    return write_file(name, work, npy_bytes(work, header, NULL, data));
+}
+
+/* Headers NumPy does not write, each before `data` bytes of zeros: refused,
+   each with its reason. */
+static void refuse_bad_headers(const char *y) {
+    static const struct {
+        const char *what, *file;
+        size_t data;
+        const char *header;
+        mpt_status want;
+        const char *w1, *w2; /* words the message holds (NULL: none) */
+    } cases[] = {
+        {"a shape whose product overflows", "overflow.npy", 64,
+         "{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296, 4), }",
+         MPT_ERR_OVERFLOW, "(4294967296, 4294967296, 4)", "too large"},
+        {"a shape whose bytes overflow", "overflow2.npy", 64,
+         "{'descr': '<i8', 'fortran_order': False, 'shape': (1152921504606846976, 8), }",
+         MPT_ERR_OVERFLOW, "too large", NULL},
+        {"a dimension past 2^63", "past63.npy", 64,
+         "{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999, 1), }",
+         MPT_ERR_OVERFLOW, "too large", NULL},
+        {"a huge shape in a small file", "huge.npy", 64,
+         "{'descr': '<f4', 'fortran_order': False, 'shape': (1000000000, 1000), }",
+         MPT_ERR_FORMAT, "4000000000000 bytes of data", "64 bytes follow"},
+        {"a key NumPy does not write", "extra_key.npy", 64,
+         "{'descr': '<f4', 'fortran_order': False, 'shape': (4, 4), 'x': 1}",
+         MPT_ERR_FORMAT, "malformed .npy header", "a key other than"},
+        {"no shape", "no_shape.npy", 64,
+         "{'descr': '<f4', 'fortran_order': False}",
+         MPT_ERR_FORMAT, "malformed .npy header", "no 'shape'"},
+        {"a list, not a dict", "not_dict.npy", 64,
+         "['descr', '<f4']",
+         MPT_ERR_FORMAT, "not a dict", NULL},
+        {"five axes", "rank5.npy", 64,
+         "{'descr': '|u1', 'fortran_order': False, 'shape': (2, 2, 2, 2, 4), }",
+         MPT_ERR_SHAPE, "(2, 2, 2, 2, 4)", "at most 4 axes"},
+        {"no samples", "empty_shape.npy", 0,
+         "{'descr': '<f4', 'fortran_order': False, 'shape': (0, 3), }",
+         MPT_ERR_SHAPE, "no samples", NULL},
+    };
+    size_t k;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const char *x = npy_with_header(cases[k].file, cases[k].header, cases[k].data);
+        expect_refusal(cases[k].what, x, y, NULL, cases[k].want, cases[k].w1, cases[k].w2);
+    }
 }
 
 static void test_npy_damaged(void) {
-    const char *y = fixture("y_i64.npy"), *hdr;
+    const char *y = fixture("y_i64.npy");
     size_t n = read_fixture("x_f32.npy", buf, sizeof buf);
     char *at;
     test__begin();
@@ -390,36 +426,7 @@ static void test_npy_damaged(void) {
     work[8] = 0xff; /* a header longer than the file */
     expect_refusal("a header length past the file", write_file("long_header.npy", work, n), y,
                    NULL, MPT_ERR_FORMAT, "truncated", NULL);
-    hdr = npy_with_header("overflow.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': "
-                                          "(4294967296, 4294967296, 4), }", 64);
-    expect_refusal("a shape whose product overflows", hdr, y, NULL, MPT_ERR_OVERFLOW,
-                   "(4294967296, 4294967296, 4)", "too large");
-    hdr = npy_with_header("overflow2.npy", "{'descr': '<i8', 'fortran_order': False, 'shape': "
-                                           "(1152921504606846976, 8), }", 64);
-    expect_refusal("a shape whose bytes overflow", hdr, y, NULL, MPT_ERR_OVERFLOW, "too large",
-                   NULL);
-    hdr = npy_with_header("past63.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': "
-                                        "(99999999999999999999, 1), }", 64);
-    expect_refusal("a dimension past 2^63", hdr, y, NULL, MPT_ERR_OVERFLOW, "too large", NULL);
-    hdr = npy_with_header("huge.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': "
-                                      "(1000000000, 1000), }", 64);
-    expect_refusal("a huge shape in a small file", hdr, y, NULL, MPT_ERR_FORMAT,
-                   "4000000000000 bytes of data", "64 bytes follow");
-    hdr = npy_with_header("extra_key.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': "
-                                           "(4, 4), 'x': 1}", 64);
-    expect_refusal("a key NumPy does not write", hdr, y, NULL, MPT_ERR_FORMAT,
-                   "malformed .npy header", "a key other than");
-    hdr = npy_with_header("no_shape.npy", "{'descr': '<f4', 'fortran_order': False}", 64);
-    expect_refusal("no shape", hdr, y, NULL, MPT_ERR_FORMAT, "malformed .npy header",
-                   "no 'shape'");
-    hdr = npy_with_header("not_dict.npy", "['descr', '<f4']", 64);
-    expect_refusal("a list, not a dict", hdr, y, NULL, MPT_ERR_FORMAT, "not a dict", NULL);
-    hdr = npy_with_header("rank5.npy", "{'descr': '|u1', 'fortran_order': False, 'shape': "
-                                       "(2, 2, 2, 2, 4), }", 64);
-    expect_refusal("five axes", hdr, y, NULL, MPT_ERR_SHAPE, "(2, 2, 2, 2, 4)", "at most 4 axes");
-    hdr = npy_with_header("empty_shape.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': "
-                                             "(0, 3), }", 0);
-    expect_refusal("no samples", hdr, y, NULL, MPT_ERR_SHAPE, "no samples", NULL);
+    refuse_bad_headers(y);
 }
 
 /* ---- .npz archives damaged here ------------------------------------------------------ */
@@ -549,19 +556,6 @@ static void test_npz_damaged(void) {
 }
 
 /* ---- arrays larger than a chunk ------------------------------------------------------ */
-
-/* An .npy (format 1.0) of `header` then `data` bytes into out; its size. */
-static size_t npy_bytes(unsigned char *out, const char *header, const void *data, size_t n) {
-    size_t len = strlen(header), total = (10 + len + 1 + 63) / 64 * 64;
-    memcpy(out, "\x93NUMPY\x01\x00", 8);
-    out[8] = (unsigned char)((total - 10) & 255);
-    out[9] = (unsigned char)((total - 10) >> 8);
-    memset(out + 10, ' ', total - 10);
-    memcpy(out + 10, header, len);
-    out[total - 1] = '\n';
-    memcpy(out + total, data, n);
-    return total + n;
-}
 
 static void put_le16(unsigned char *p, unsigned v) {
     p[0] = (unsigned char)v, p[1] = (unsigned char)(v >> 8);
@@ -828,39 +822,44 @@ static void expect_csv_error(const char *what, const char *text, mpt_status want
 }
 
 static void test_csv_errors(void) {
+    static const struct {
+        const char *what, *text;
+        mpt_status want;
+        const char *w1, *w2; /* words the message holds (NULL: none) */
+    } cases[] = {
+        {"not a number", "a,y,b\n1,2,3\n4,5,6\n7,8,abc\n", MPT_ERR_FORMAT,
+         "bad.csv:4:3: 'abc' is not a number", NULL},
+        {"a number and more", "a,y\n1.5x,2\n", MPT_ERR_FORMAT,
+         ":2:1: '1.5x' is not a number", NULL},
+        {"an empty field", "a,b,y\n1,,2\n", MPT_ERR_FORMAT, ":2:2: an empty field", NULL},
+        {"too few fields", "a,b,y\n1,2,3\n\n4,5\n", MPT_ERR_FORMAT,
+         ":4: 2 fields, the header has 3", NULL},
+        {"too many fields", "a,y\n1,2,3\n", MPT_ERR_FORMAT, ":2: 3 fields, the header has 2", NULL},
+        {"a class id with a fraction", "a,y\n1,2\n3,1.5\n", MPT_ERR_FORMAT,
+         ":3:2: '1.5' is not a class id", NULL},
+        {"a negative class id", "a,y\n1,-2\n", MPT_ERR_FORMAT,
+         ":2:2: '-2' is not a class id", NULL},
+        {"a class id past int32", "a,y\n1,2147483648\n", MPT_ERR_FORMAT,
+         ":2:2: '2147483648' is not a class id", NULL},
+        {"nan", "a,y\nnan,1\n", MPT_ERR_NUMERIC, ":2:1: 'nan' is not a finite", NULL},
+        {"past float32", "a,y\n1e39,1\n", MPT_ERR_NUMERIC,
+         ":2:1: '1e39' is not a finite float32", NULL},
+        {"a quoted field", "a,y\n\"1\",2\n", MPT_ERR_UNSUPPORTED,
+         ":2:1: a quoted field", "RFC 4180"},
+        {"no label column", "a,b\n1,2\n", MPT_ERR_INVALID_ARGUMENT,
+         "no column 'y' in the header", "its columns: a, b"},
+        {"the label column twice", "y,a,y\n1,2,3\n", MPT_ERR_FORMAT,
+         "named twice (columns 1 and 3)", NULL},
+        {"only the label column", "y\n1\n", MPT_ERR_SHAPE, "only the label column", NULL},
+        {"no rows", "a,y\n\n\n", MPT_ERR_FORMAT, "no rows after its header", NULL},
+        {"an empty file", "", MPT_ERR_FORMAT, "no header row", NULL},
+        {"a control character in a number", "a,y\n1\0332,1\n", MPT_ERR_FORMAT,
+         "is not a number", NULL},
+    };
     mpt_dataset *d = (mpt_dataset *)&d;
-    expect_csv_error("not a number", "a,y,b\n1,2,3\n4,5,6\n7,8,abc\n", MPT_ERR_FORMAT,
-                     "bad.csv:4:3: 'abc' is not a number", NULL);
-    expect_csv_error("a number and more", "a,y\n1.5x,2\n", MPT_ERR_FORMAT,
-                     ":2:1: '1.5x' is not a number", NULL);
-    expect_csv_error("an empty field", "a,b,y\n1,,2\n", MPT_ERR_FORMAT, ":2:2: an empty field",
-                     NULL);
-    expect_csv_error("too few fields", "a,b,y\n1,2,3\n\n4,5\n", MPT_ERR_FORMAT,
-                     ":4: 2 fields, the header has 3", NULL);
-    expect_csv_error("too many fields", "a,y\n1,2,3\n", MPT_ERR_FORMAT,
-                     ":2: 3 fields, the header has 2", NULL);
-    expect_csv_error("a class id with a fraction", "a,y\n1,2\n3,1.5\n", MPT_ERR_FORMAT,
-                     ":3:2: '1.5' is not a class id", NULL);
-    expect_csv_error("a negative class id", "a,y\n1,-2\n", MPT_ERR_FORMAT,
-                     ":2:2: '-2' is not a class id", NULL);
-    expect_csv_error("a class id past int32", "a,y\n1,2147483648\n", MPT_ERR_FORMAT,
-                     ":2:2: '2147483648' is not a class id", NULL);
-    expect_csv_error("nan", "a,y\nnan,1\n", MPT_ERR_NUMERIC, ":2:1: 'nan' is not a finite",
-                     NULL);
-    expect_csv_error("past float32", "a,y\n1e39,1\n", MPT_ERR_NUMERIC,
-                     ":2:1: '1e39' is not a finite float32", NULL);
-    expect_csv_error("a quoted field", "a,y\n\"1\",2\n", MPT_ERR_UNSUPPORTED,
-                     ":2:1: a quoted field", "RFC 4180");
-    expect_csv_error("no label column", "a,b\n1,2\n", MPT_ERR_INVALID_ARGUMENT,
-                     "no column 'y' in the header", "its columns: a, b");
-    expect_csv_error("the label column twice", "y,a,y\n1,2,3\n", MPT_ERR_FORMAT,
-                     "named twice (columns 1 and 3)", NULL);
-    expect_csv_error("only the label column", "y\n1\n", MPT_ERR_SHAPE, "only the label column",
-                     NULL);
-    expect_csv_error("no rows", "a,y\n\n\n", MPT_ERR_FORMAT, "no rows after its header", NULL);
-    expect_csv_error("an empty file", "", MPT_ERR_FORMAT, "no header row", NULL);
-    expect_csv_error("a control character in a number", "a,y\n1\0332,1\n", MPT_ERR_FORMAT,
-                     "is not a number", NULL);
+    size_t k;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        expect_csv_error(cases[k].what, cases[k].text, cases[k].want, cases[k].w1, cases[k].w2);
     test__begin();
     CHECK(mpt_dataset_load_csv(q, tmp_path("bad.csv"), NULL, &d) == MPT_ERR_INVALID_ARGUMENT &&
               d == NULL && strstr(mpt_context_error(q), "label_column"),
@@ -878,6 +877,7 @@ int main(void) {
         fprintf(stderr, "cannot create a context or %s\n", tmp_dir);
         return 1;
     }
+    strcat(tmp_dir, "/");
     if (access(fixture("x_f32.npy"), R_OK) != 0) { /* __FILE__ is relative to the build's folder */
         printf("FAIL fixtures: no %s (run from the repository's root)\n", fixture("x_f32.npy"));
         rmdir(tmp_dir);
@@ -894,7 +894,7 @@ int main(void) {
     TEST_RUN(test_csv_round_trip);
     test_csv_forms();
     test_csv_errors();
-    remove_tmp_dir();
+    test_remove_tree(tmp_dir);
     mpt_context_destroy(q);
     return test_summary("test_npy");
 }

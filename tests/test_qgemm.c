@@ -644,59 +644,165 @@ static int64_t requantized_off(const mpt_qgemm_desc *d) {
     return off;
 }
 
+/* A context of `threads` threads on path p, or NULL (none made) when it
+   cannot be made or this CPU lacks the path: the requantization tests
+   pass over such a path. */
+static mpt_context *path_ctx_or_null(int p, int threads) {
+    mpt_context *ctx = path_ctx(threads, paths[p].disable);
+    if (on_path(ctx, p)) return ctx;
+    mpt_context_destroy(ctx);
+    return NULL;
+}
+
+#define REQUANT_MAX_N 48
+
+/* The buffers of the requantizing products: a (m × k), b (k × n), out
+   (m × n), and n (at most REQUANT_MAX_N) biases, multipliers and shifts. */
+typedef struct requant_buffers {
+    int8_t *a, *b, *out;
+    int32_t bias[REQUANT_MAX_N], mult[REQUANT_MAX_N], shift[REQUANT_MAX_N];
+} requant_buffers;
+
+/* Buffers for products of up to m × k by k × n. */
+static void requant_buffers_init(requant_buffers *x, int64_t m, int64_t n, int64_t k) {
+    x->a = (int8_t *)malloc((size_t)(m * k));
+    x->b = (int8_t *)malloc((size_t)(k * n));
+    x->out = (int8_t *)malloc((size_t)(m * n));
+}
+
+static void requant_buffers_free(requant_buffers *x) {
+    free(x->a);
+    free(x->b);
+    free(x->out);
+}
+
+/* Random int8 values into a (m × k) and then b (k × n). */
+static void draw_operands(const requant_buffers *x, int64_t m, int64_t n, int64_t k) {
+    int64_t i;
+    for (i = 0; i < m * k; i++) x->a[i] = (int8_t)test_randint(-128, 127);
+    for (i = 0; i < k * n; i++) x->b[i] = (int8_t)test_randint(-128, 127);
+}
+
+/* The requantizing product of x's buffers (m × k by k × n), per channel or
+   per tensor, unclamped, its zero points drawn in this order: a's from
+   [a_zero_lo, a_zero_hi], b's from [-5, 5], c's from [-20, 20]. */
+static mpt_qgemm_desc requant_desc(const requant_buffers *x, int64_t m, int64_t n, int64_t k,
+                                   int per_channel, int a_zero_lo, int a_zero_hi) {
+    mpt_qgemm_desc d;
+    memset(&d, 0, sizeof d);
+    d.m = m, d.n = n, d.k = k;
+    d.a = x->a, d.lda = k, d.a_zero_point = test_randint(a_zero_lo, a_zero_hi);
+    d.b = x->b, d.ldb = n, d.b_zero_point = test_randint(-5, 5);
+    d.bias = x->bias;
+    d.c_int8 = x->out, d.ldc = n;
+    d.per_channel = per_channel;
+    d.multiplier = x->mult, d.shift = x->shift;
+    d.c_zero_point = test_randint(-20, 20);
+    return d;
+}
+
+/* Runs d on ctx over poisoned outputs: how many of them differ from the
+   reference. */
+static int64_t requantize_off(mpt_context *ctx, const mpt_qgemm_desc *d) {
+    memset(d->c_int8, POISON8, (size_t)(d->m * d->ldc));
+    CHECK(mpt_qgemm(ctx, d) == MPT_OK, "%s", mpt_context_error(ctx));
+    return requantized_off(d);
+}
+
+/* Runs sweep with x on every path this CPU has, with 1 and then 2
+   threads, after seeding the generator with seed; x's buffers hold
+   products of up to m × k by k × n. */
+static void on_every_path(unsigned seed, int64_t m, int64_t n, int64_t k,
+                          void (*sweep)(mpt_context *ctx, const char *path, int threads,
+                                        requant_buffers *x)) {
+    requant_buffers x;
+    int p, t;
+    requant_buffers_init(&x, m, n, k);
+    test_seed(seed);
+    for (p = 0; p < N_PATHS; p++)
+        for (t = 1; t <= 2; t++) {
+            mpt_context *ctx = path_ctx_or_null(p, t);
+            if (!ctx) continue;
+            sweep(ctx, paths[p].name, t, &x);
+            mpt_context_destroy(ctx);
+        }
+    requant_buffers_free(&x);
+}
+
+/* test_requantize_columns on one context: 7 × 3 by 3 × n. */
+static void requantize_columns_on(mpt_context *ctx, const char *path, int t, requant_buffers *x) {
+    static const int64_t cols[] = {1, 15, 16, 17, 33};
+    const int64_t m = 7, k = 3;
+    int ci, per_channel;
+    for (ci = 0; ci < 5; ci++)
+        for (per_channel = 0; per_channel < 2; per_channel++) {
+            const int64_t n = cols[ci];
+            mpt_qgemm_desc d;
+            int64_t j, off;
+            draw_operands(x, m, n, k);
+            for (j = 0; j < n; j++) {
+                /* a bias anywhere in int32, or small, so every shift sees both */
+                x->bias[j] = j % 2 ? (int32_t)(test_uniform(-1.0, 1.0) * 2147483647.0)
+                                   : test_randint(-100000, 100000);
+                x->mult[j] = (int32_t)((1u << 30) + (uint32_t)test_randint(0, (1 << 30) - 1));
+                x->shift[j] = test_randint(-31, 30);
+            }
+            d = requant_desc(x, m, n, k, per_channel, -5, 5);
+            if (ci % 2) d.c_min = test_randint(-128, -60), d.c_max = test_randint(60, 127);
+            off = requantize_off(ctx, &d);
+            CHECK(off == 0, "%s, %d thread(s), n %lld, %s: %lld of %lld outputs differ "
+                  "from the reference", path, t, (long long)n,
+                  per_channel ? "per channel" : "per tensor", (long long)off,
+                  (long long)(m * n));
+        }
+}
+
 /* The requantizing epilogue on every path against ref_requantize, column
    counts around its vector widths (1, 15, 16, 17, 33): sums and biases
    over the whole int32 range (some saturate), multipliers in [2^30, 2^31),
    shifts over all of [-31, 30], per channel and per tensor, zero points
    and a clamp, 1 and 2 threads. */
-static void test_requantize_columns(void) {
-    static const int64_t cols[] = {1, 15, 16, 17, 33};
-    const int64_t m = 7, k = 3;
-    int p, t, ci, per_channel;
-    test_seed(91);
-    for (p = 0; p < N_PATHS; p++)
-        for (t = 1; t <= 2; t++) {
-            mpt_context *ctx = path_ctx(t, paths[p].disable);
-            if (!on_path(ctx, p)) {
-                mpt_context_destroy(ctx);
-                continue;
+static void test_requantize_columns(void) { on_every_path(91, 7, 33, 3, requantize_columns_on); }
+
+/* n biases up to edge (± edge, within it, or small), multipliers that
+   make ties (0.5, 0.75) and any others in [2^30, 2^31), shifts in
+   [-31, 0], into x. */
+static void draw_layer_epilogue(requant_buffers *x, int64_t n, int64_t edge) {
+    int64_t j;
+    for (j = 0; j < n; j++) {
+        x->bias[j] = j % 3 == 0   ? (int32_t)(j % 2 ? edge : -edge)
+                     : j % 3 == 1 ? (int32_t)(test_uniform(-1.0, 1.0) * (double)edge)
+                                  : test_randint(-1000, 1000);
+        /* 0.5 and 0.75 make ties of the high multiply common */
+        x->mult[j] = j % 4 == 0   ? 1 << 30
+                     : j % 4 == 1 ? 3 << 29
+                                  : (int32_t)((1u << 30) +
+                                              (uint32_t)test_randint(0, (1 << 30) - 1));
+        x->shift[j] = test_randint(-31, 0);
+    }
+}
+
+/* test_requantize_plain on one context: 29 × k by k × n. */
+static void requantize_plain_on(mpt_context *ctx, const char *path, int t, requant_buffers *x) {
+    static const int64_t cols[] = {1, 15, 16, 17, 33, 48}, depths[] = {9, 300, 3000};
+    const int64_t m = 29;
+    int ci, di, per_channel;
+    for (di = 0; di < 3; di++)
+        for (ci = 0; ci < 6; ci++)
+            for (per_channel = 0; per_channel < 2; per_channel++) {
+                const int64_t n = cols[ci], k = depths[di];
+                mpt_qgemm_desc d;
+                int64_t off;
+                draw_operands(x, m, n, k);
+                draw_layer_epilogue(x, n, INT32_MAX - (int64_t)255 * 255 * k);
+                d = requant_desc(x, m, n, k, per_channel, -128, 127);
+                if (ci % 2) d.c_min = d.c_zero_point, d.c_max = test_randint(60, 127);
+                off = requantize_off(ctx, &d);
+                CHECK(off == 0, "%s, %d thread(s), k %lld, n %lld, %s: %lld of %lld "
+                      "outputs differ from the reference", path, t, (long long)k,
+                      (long long)n, per_channel ? "per channel" : "per tensor",
+                      (long long)off, (long long)(m * n));
             }
-            for (ci = 0; ci < 5; ci++)
-                for (per_channel = 0; per_channel < 2; per_channel++) {
-                    const int64_t n = cols[ci];
-                    int8_t a[7 * 3], b[3 * 33], out[7 * 33];
-                    int32_t bias[33], mult[33], shift[33];
-                    mpt_qgemm_desc d;
-                    int64_t i, j, off;
-                    memset(&d, 0, sizeof d);
-                    for (i = 0; i < m * k; i++) a[i] = (int8_t)test_randint(-128, 127);
-                    for (i = 0; i < k * n; i++) b[i] = (int8_t)test_randint(-128, 127);
-                    for (j = 0; j < n; j++) {
-                        /* a bias anywhere in int32, or small, so every shift sees both */
-                        bias[j] = j % 2 ? (int32_t)(test_uniform(-1.0, 1.0) * 2147483647.0)
-                                        : test_randint(-100000, 100000);
-                        mult[j] = (int32_t)((1u << 30) + (uint32_t)test_randint(0, (1 << 30) - 1));
-                        shift[j] = test_randint(-31, 30);
-                    }
-                    d.m = m, d.n = n, d.k = k;
-                    d.a = a, d.lda = k, d.a_zero_point = test_randint(-5, 5);
-                    d.b = b, d.ldb = n, d.b_zero_point = test_randint(-5, 5);
-                    d.bias = bias;
-                    d.c_int8 = out, d.ldc = n;
-                    d.per_channel = per_channel;
-                    d.multiplier = mult, d.shift = shift;
-                    d.c_zero_point = test_randint(-20, 20);
-                    if (ci % 2) d.c_min = test_randint(-128, -60), d.c_max = test_randint(60, 127);
-                    memset(out, POISON8, sizeof out);
-                    CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "%s", mpt_context_error(ctx));
-                    off = requantized_off(&d);
-                    CHECK(off == 0, "%s, %d thread(s), n %lld, %s: %lld of %lld outputs differ "
-                          "from the reference", paths[p].name, t, (long long)n,
-                          per_channel ? "per channel" : "per tensor", (long long)off,
-                          (long long)(m * n));
-                }
-            mpt_context_destroy(ctx);
-        }
 }
 
 /* The requantization of layers (every shift ≤ 0, biases that cannot
@@ -709,66 +815,7 @@ static void test_requantize_columns(void) {
    and any others, shifts over all of [-31, 0], per
    channel and per tensor, with zero points and a clamp, 1 and 2 threads. */
 static void test_requantize_plain(void) {
-    static const int64_t cols[] = {1, 15, 16, 17, 33, 48}, depths[] = {9, 300, 3000};
-    const int64_t m = 29;
-    int p, t, ci, di, per_channel;
-    int8_t *a = (int8_t *)malloc((size_t)(m * 3000));
-    int8_t *b = (int8_t *)malloc((size_t)(3000 * 48));
-    test_seed(92);
-    for (p = 0; p < N_PATHS; p++)
-        for (t = 1; t <= 2; t++) {
-            mpt_context *ctx = path_ctx(t, paths[p].disable);
-            if (!on_path(ctx, p)) {
-                mpt_context_destroy(ctx);
-                continue;
-            }
-            for (di = 0; di < 3; di++)
-                for (ci = 0; ci < 6; ci++)
-                    for (per_channel = 0; per_channel < 2; per_channel++) {
-                        const int64_t n = cols[ci], k = depths[di];
-                        const int64_t edge = INT32_MAX - (int64_t)255 * 255 * k;
-                        int8_t out[29 * 48];
-                        int32_t bias[48], mult[48], shift[48];
-                        mpt_qgemm_desc d;
-                        int64_t i, j, off;
-                        memset(&d, 0, sizeof d);
-                        for (i = 0; i < m * k; i++) a[i] = (int8_t)test_randint(-128, 127);
-                        for (i = 0; i < k * n; i++) b[i] = (int8_t)test_randint(-128, 127);
-                        for (j = 0; j < n; j++) {
-                            bias[j] = j % 3 == 0   ? (int32_t)(j % 2 ? edge : -edge)
-                                      : j % 3 == 1 ? (int32_t)(test_uniform(-1.0, 1.0) *
-                                                               (double)edge)
-                                                   : test_randint(-1000, 1000);
-                            /* 0.5 and 0.75 make ties of the high multiply common */
-                            mult[j] = j % 4 == 0   ? 1 << 30
-                                      : j % 4 == 1 ? 3 << 29
-                                                   : (int32_t)((1u << 30) +
-                                                               (uint32_t)test_randint(
-                                                                   0, (1 << 30) - 1));
-                            shift[j] = test_randint(-31, 0);
-                        }
-                        d.m = m, d.n = n, d.k = k;
-                        d.a = a, d.lda = k, d.a_zero_point = test_randint(-128, 127);
-                        d.b = b, d.ldb = n, d.b_zero_point = test_randint(-5, 5);
-                        d.bias = bias;
-                        d.c_int8 = out, d.ldc = n;
-                        d.per_channel = per_channel;
-                        d.multiplier = mult, d.shift = shift;
-                        d.c_zero_point = test_randint(-20, 20);
-                        if (ci % 2) d.c_min = d.c_zero_point, d.c_max = test_randint(60, 127);
-                        memset(out, POISON8, sizeof out);
-                        CHECK(mpt_qgemm(ctx, &d) == MPT_OK, "%s", mpt_context_error(ctx));
-                        off = requantized_off(&d);
-                        CHECK(off == 0, "%s, %d thread(s), k %lld, n %lld, %s: %lld of %lld "
-                              "outputs differ from the reference", paths[p].name, t,
-                              (long long)k, (long long)n,
-                              per_channel ? "per channel" : "per tensor", (long long)off,
-                              (long long)(m * n));
-                    }
-            mpt_context_destroy(ctx);
-        }
-    free(a);
-    free(b);
+    on_every_path(92, 29, REQUANT_MAX_N, 3000, requantize_plain_on);
 }
 
 /* The largest sums: K = MPT_QGEMM_MAX_K with every factor at ±255

@@ -787,15 +787,8 @@ static void test_graph_merge_scalar_reference(void) {
 
 /* Layer `layer`'s parameter `what` ("gamma"), from the float model's masters. */
 static const float *param_of(mpt_model *m, const char *layer, const char *what) {
-    char name[160];
-    int i;
-    snprintf(name, sizeof name, "%s/%s", layer, what);
-    for (i = 0; i < mpt_model_param_count(m); i++) {
-        mpt_param_info p;
-        mpt_model_param(m, i, &p);
-        if (strcmp(p.name, name) == 0) return (const float *)p.value.data;
-    }
-    return NULL;
+    mpt_param_info p;
+    return test_param_named(m, layer, what, &p) ? (const float *)p.value.data : NULL;
 }
 
 /* A BatchNormalization that does not fold, in full integer: its MUL by
@@ -1395,16 +1388,6 @@ static void predict_as_on_one_thread(mpt_context *ctx, mpt_model *q, mpt_dataset
     mpt_tensor_free(ctx, &out);
 }
 
-static mpt_context *threads_ctx(int threads) {
-    mpt_context *ctx = NULL;
-    mpt_context_desc d;
-    memset(&d, 0, sizeof d);
-    d.num_threads = threads;
-    d.logger.fn = quiet_logger;
-    mpt_context_create(&d, &ctx);
-    return ctx;
-}
-
 static void test_bit_exact_across_threads(void) {
     static const int kinds[] = {MODEL_CNN,    MODEL_GAP,      MODEL_RESIDUAL,
                                 MODEL_MERGES, MODEL_BN_CHAIN, MODEL_BN_GRAPH};
@@ -1415,7 +1398,7 @@ static void test_bit_exact_across_threads(void) {
             mpt_tensor first;
             memset(&first, 0, sizeof first);
             for (threads = 1; threads <= 3; threads++) {
-                mpt_context *ctx = threads_ctx(threads);
+                mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
                 mpt_model *m = make_model(ctx, kind, 400);
                 mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
                 mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
@@ -1445,7 +1428,7 @@ static void test_small_gpt_across_threads(void) {
         if (mode == MPT_QUANTIZE_FULL_INTEGER) continue;
         memset(&first, 0, sizeof first);
         for (threads = 1; threads <= 3; threads++) {
-            mpt_context *ctx = threads_ctx(threads);
+            mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
             mpt_model *m = small_gpt(ctx, 1, 623);
             mpt_dataset *d = ids_dataset(ctx, ids, GPT_N);
             mpt_model *q = m ? quantize(m, (mpt_quantize_mode)mode, NULL, MPT_DTYPE_DEFAULT) : NULL;
@@ -2414,7 +2397,7 @@ static void test_float16_conv_direct(void) {
     int ci, threads;
     for (ci = 0; ci < 3; ci++)
         for (threads = 1; threads <= 2; threads++) {
-            mpt_context *ctx = threads_ctx(threads);
+            mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
             mpt_model *m = NULL, *q = NULL;
             mpt_dataset *d = NULL;
             mpt_tensor tx, ty, a, b;
@@ -2492,7 +2475,7 @@ static void test_float16_dense_in_place(void) {
     static const int64_t batches[] = {1, 2, 4, 5, 9};
     int threads, bi, i;
     for (threads = 1; threads <= 2; threads++) {
-        mpt_context *ctx = threads_ctx(threads);
+        mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
         mpt_model *m = NULL, *q = NULL;
         mpt_dataset *d = NULL;
         mpt_tensor tx, ty;
@@ -2561,7 +2544,7 @@ static void test_float_max_pool_as_float_model(void) {
     int ci, mi, threads;
     for (ci = 0; ci < 3; ci++)
         for (threads = 1; threads <= 2; threads++) {
-            mpt_context *ctx = threads_ctx(threads);
+            mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
             mpt_model *m = NULL;
             mpt_dataset *d = NULL;
             mpt_tensor tx, ty, a;
@@ -2614,7 +2597,7 @@ static void test_float_max_pool_as_float_model(void) {
    within 3 points of float32's, evaluate's loss close, and the int8
    variants about a quarter the size. */
 static void test_trained_model_accuracy(void) {
-    mpt_context *ctx = threads_ctx(2);
+    mpt_context *ctx = test_ctx_logging(2, quiet_logger);
     mpt_model *m = NULL, *q[3] = {NULL, NULL, NULL};
     mpt_dataset *train = NULL, *test = NULL;
     mpt_logs lf, lq;
@@ -3000,7 +2983,7 @@ static void test_pool_int8_scalar_reference(void) {
     int threads, ci, wi, pad, max;
     test_seed(21);
     for (threads = 1; threads <= 2; threads++) {
-        mpt_context *ctx = threads_ctx(threads);
+        mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
         for (ci = 0; ci < (int)(sizeof channels / sizeof channels[0]); ci++)
             for (wi = 0; wi < 4; wi++)
                 for (pad = 0; pad < 2; pad++)

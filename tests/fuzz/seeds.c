@@ -148,11 +148,24 @@ static void architecture_seed(mpt_context *ctx, mpt_model *m, const char *name) 
     mpt__free(ctx, t.s);
 }
 
+/* The model md describes, or the run ends. */
+static mpt_model *created(mpt_context *ctx, const mpt_model_desc *md) {
+    mpt_model *m = NULL;
+    if (mpt_model_create(ctx, md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
+    return m;
+}
+
+/* m compiled with cd and built for batches of 4, or the run ends. */
+static void compiled_and_built(mpt_context *ctx, mpt_model *m, const mpt_compile_desc *cd) {
+    if (mpt_model_compile(m, cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
+        fuzz_die(mpt_context_error(ctx));
+}
+
 /* A graph of every merge, ZeroPadding2D, the augmentation layers, a
    shared layer and a dtype given, compiled. */
 static mpt_model *graph_model(mpt_context *ctx) {
-    mpt_model *m = NULL;
-    mpt_model_desc md;
+    mpt_model *m = created(ctx, &(mpt_model_desc){.input_shape = {6, 6, 1}, .input_rank = 3,
+                                                  .policy = MPT_POLICY_MIXED_BFLOAT16});
     mpt_conv2d_desc conv;
     mpt_zero_padding2d_desc pad;
     mpt_random_flip_desc flip;
@@ -161,11 +174,6 @@ static mpt_model *graph_model(mpt_context *ctx) {
     mpt_dense_desc dense;
     mpt_compile_desc cd;
     mpt_node x, a, b, two[2];
-    memset(&md, 0, sizeof md);
-    md.input_shape[0] = 6, md.input_shape[1] = 6, md.input_shape[2] = 1;
-    md.input_rank = 3;
-    md.policy = MPT_POLICY_MIXED_BFLOAT16;
-    if (mpt_model_create(ctx, &md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
     memset(&conv, 0, sizeof conv);
     conv.filters = 2, conv.kernel_size[0] = conv.kernel_size[1] = 3;
     conv.padding = MPT_PADDING_SAME;
@@ -199,8 +207,7 @@ static mpt_model *graph_model(mpt_context *ctx) {
     mpt_dense(m, mpt_flatten(m, a, NULL), &dense);
     memset(&cd, 0, sizeof cd);
     cd.loss.type = MPT_LOSS_MEAN_SQUARED_ERROR;
-    if (mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
-        fuzz_die(mpt_context_error(ctx));
+    compiled_and_built(ctx, m, &cd);
     return m;
 }
 
@@ -209,8 +216,9 @@ static mpt_model *graph_model(mpt_context *ctx) {
    its weights for backward (no_flash_attention) and Dense layers over the
    positions (the tanh GELU), compiled with regression metrics. */
 static mpt_model *token_model(mpt_context *ctx) {
-    mpt_model *m = NULL;
-    mpt_model_desc md;
+    mpt_model *m = created(ctx, &(mpt_model_desc){.input_shape = {5}, .input_rank = 1,
+                                                  .input_dtype = MPT_INT32,
+                                                  .policy = MPT_POLICY_MIXED_FLOAT16});
     mpt_embedding_desc emb;
     mpt_position_embedding_desc pos;
     mpt_layer_normalization_desc ln;
@@ -218,12 +226,6 @@ static mpt_model *token_model(mpt_context *ctx) {
     mpt_dense_desc dense;
     mpt_compile_desc cd;
     mpt_node two[2];
-    memset(&md, 0, sizeof md);
-    md.input_shape[0] = 5;
-    md.input_rank = 1;
-    md.input_dtype = MPT_INT32;
-    md.policy = MPT_POLICY_MIXED_FLOAT16;
-    if (mpt_model_create(ctx, &md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
     memset(&emb, 0, sizeof emb);
     emb.input_dim = 11, emb.output_dim = 4, emb.embeddings_initializer = MPT_INIT_GPT2_NORMAL;
     memset(&pos, 0, sizeof pos);
@@ -246,8 +248,7 @@ static mpt_model *token_model(mpt_context *ctx) {
     memset(&cd, 0, sizeof cd);
     cd.loss.type = MPT_LOSS_MEAN_SQUARED_ERROR;
     cd.metrics = MPT_METRIC_MEAN_ABSOLUTE_ERROR | MPT_METRIC_PRECISION;
-    if (mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
-        fuzz_die(mpt_context_error(ctx));
+    compiled_and_built(ctx, m, &cd);
     return m;
 }
 
@@ -255,18 +256,13 @@ static mpt_model *token_model(mpt_context *ctx) {
    inputs): input 0 numbers (3), an image (4, 4, 1) named "image" and ids
    (2) of another input, joined by a Concatenate; compiled. */
 static mpt_model *inputs_model(mpt_context *ctx) {
-    mpt_model *m = NULL;
-    mpt_model_desc md;
+    mpt_model *m = created(ctx, &(mpt_model_desc){.input_shape = {3}, .input_rank = 1,
+                                                  .policy = MPT_POLICY_MIXED_FLOAT16});
     mpt_input_desc image, ids;
     mpt_embedding_desc emb;
     mpt_dense_desc dense;
     mpt_compile_desc cd;
     mpt_node three[3];
-    memset(&md, 0, sizeof md);
-    md.input_shape[0] = 3;
-    md.input_rank = 1;
-    md.policy = MPT_POLICY_MIXED_FLOAT16;
-    if (mpt_model_create(ctx, &md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
     memset(&image, 0, sizeof image);
     image.shape[0] = image.shape[1] = 4, image.shape[2] = 1, image.rank = 3;
     image.name = "image";
@@ -282,8 +278,7 @@ static mpt_model *inputs_model(mpt_context *ctx) {
     mpt_dense(m, mpt_concatenate(m, 3, three, NULL), &dense);
     memset(&cd, 0, sizeof cd);
     cd.loss.type = MPT_LOSS_MEAN_SQUARED_ERROR;
-    if (mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
-        fuzz_die(mpt_context_error(ctx));
+    compiled_and_built(ctx, m, &cd);
     return m;
 }
 
@@ -292,15 +287,10 @@ static mpt_model *inputs_model(mpt_context *ctx) {
    loss weight and metrics; compiled. */
 static mpt_model *outputs_model(mpt_context *ctx) {
     static const float weights[2] = {1.0f, 0.5f};
-    mpt_model *m = NULL;
-    mpt_model_desc md;
+    mpt_model *m = created(ctx, &(mpt_model_desc){.input_shape = {3}, .input_rank = 1});
     mpt_dense_desc dense, cls, reg;
     mpt_compile_desc cd;
     mpt_node h;
-    memset(&md, 0, sizeof md);
-    md.input_shape[0] = 3;
-    md.input_rank = 1;
-    if (mpt_model_create(ctx, &md, &m) != MPT_OK) fuzz_die(mpt_context_error(ctx));
     memset(&dense, 0, sizeof dense);
     dense.units = 4;
     dense.activation = MPT_ACT_RELU;
@@ -320,8 +310,7 @@ static mpt_model *outputs_model(mpt_context *ctx) {
     cd.loss_weights = weights;
     cd.output_metrics[0] = MPT_METRIC_ACCURACY;
     cd.output_metrics[1] = MPT_METRIC_MEAN_ABSOLUTE_ERROR;
-    if (mpt_model_compile(m, &cd) != MPT_OK || mpt_model_build(m, 4) != MPT_OK)
-        fuzz_die(mpt_context_error(ctx));
+    compiled_and_built(ctx, m, &cd);
     return m;
 }
 
@@ -368,6 +357,16 @@ int main(int argc, char **argv) {
     {
         static const char *const plain[] = {"weights", "checkpoint", "qat", NULL};
         static const char *const aware[] = {"qat", NULL};
+        static const struct {
+            mpt_model *(*build)(mpt_context *ctx);
+            const char *file;
+        } graphs[] = {
+            {graph_model, "merges_graph.json"},
+            {token_model, "token_ids.json"},
+            {inputs_model, "three_inputs.json"},
+            {outputs_model, "two_outputs.json"},
+        };
+        size_t k;
         mpt_model *m = fuzz_model(ctx, 1); /* other values than the harnesses' models */
         model_seeds(ctx, m, "", plain);
         mpt_model_destroy(m);
@@ -377,18 +376,11 @@ int main(int argc, char **argv) {
         m = fuzz_model(ctx, 1);
         architecture_seed(ctx, m, "conv_bn_pool_dense.json");
         mpt_model_destroy(m);
-        m = graph_model(ctx);
-        architecture_seed(ctx, m, "merges_graph.json");
-        mpt_model_destroy(m);
-        m = token_model(ctx);
-        architecture_seed(ctx, m, "token_ids.json");
-        mpt_model_destroy(m);
-        m = inputs_model(ctx);
-        architecture_seed(ctx, m, "three_inputs.json");
-        mpt_model_destroy(m);
-        m = outputs_model(ctx);
-        architecture_seed(ctx, m, "two_outputs.json");
-        mpt_model_destroy(m);
+        for (k = 0; k < sizeof graphs / sizeof graphs[0]; k++) {
+            m = graphs[k].build(ctx);
+            architecture_seed(ctx, m, graphs[k].file);
+            mpt_model_destroy(m);
+        }
     }
     mpt_context_destroy(ctx);
     return 0;

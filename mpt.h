@@ -29467,6 +29467,69 @@ static int64_t mpt__gemm_few_cols(const mpt__gemm_job *job) {
                                                                        : MPT__GEMM_FEW_COLS;
 }
 
+/* One row's depth block of a strip whose VECS vectors of 16 columns are
+   all whole (no lane masked), B float32 or float16: the chains of
+   MPT__FEW_BLOCK's 1×VECS shape, the same FMAs in the same order, with
+   plain loads where that one masks every load by a mask kept in memory
+   and asks B's dtype at each (half the time of a batch of 1's Dense).
+   out[v]: the sums of columns 16·v to 16·v + 15. (The maskz form of the
+   widening, all lanes set: g++ 12 warns about the plain one's
+   _mm512_undefined_ps.) */
+#define MPT__FULL_ZERO(v) __m512 c##v = _mm512_setzero_ps();
+#define MPT__FULL_F32(v) c##v = _mm512_fmadd_ps(ak, _mm512_loadu_ps(bf + 16 * v), c##v);
+#define MPT__FULL_F16(v)                                                                \
+    c##v = _mm512_fmadd_ps(                                                             \
+        ak, _mm512_maskz_cvtph_ps((__mmask16)0xFFFF,                                    \
+                                  _mm256_loadu_si256((const __m256i *)(bh + 16 * v))),  \
+        c##v);
+#define MPT__FULL_OUT(v) out[v] = c##v;
+#define MPT__FULL_ROW(NAME, VECS, T, P, STEP)                                           \
+    MPT__TARGET_AVX512 static void NAME(const float *a, const void *b, int64_t ldb,     \
+                                        int64_t kb, __m512 *out) {                      \
+        const T *P = (const T *)b;                                                      \
+        int64_t k;                                                                      \
+        VECS(MPT__FULL_ZERO)                                                            \
+        for (k = 0; k < kb; k++, P += ldb) {                                            \
+            const __m512 ak = _mm512_set1_ps(a[k]);                                     \
+            VECS(STEP)                                                                  \
+        }                                                                               \
+        VECS(MPT__FULL_OUT)                                                             \
+    }
+#define MPT__FULL_V4(X) X(0) X(1) X(2) X(3)
+#define MPT__FULL_V8(X) MPT__FULL_V4(X) X(4) X(5) X(6) X(7)
+MPT__FULL_ROW(mpt__few_full4_f32, MPT__FULL_V4, float, bf, MPT__FULL_F32)
+MPT__FULL_ROW(mpt__few_full8_f32, MPT__FULL_V8, float, bf, MPT__FULL_F32)
+MPT__FULL_ROW(mpt__few_full4_f16, MPT__FULL_V4, mpt_half, bh, MPT__FULL_F16)
+MPT__FULL_ROW(mpt__few_full8_f16, MPT__FULL_V8, mpt_half, bh, MPT__FULL_F16)
+#undef MPT__FULL_ZERO
+#undef MPT__FULL_F32
+#undef MPT__FULL_F16
+#undef MPT__FULL_OUT
+#undef MPT__FULL_ROW
+#undef MPT__FULL_V4
+#undef MPT__FULL_V8
+
+/* One row's depth block (of the strip at j0, n columns) by the functions
+   above, stored with e's epilogue; returns 0 where they do not take it
+   (a lane masked, or B neither float32 nor float16). */
+MPT__TARGET_AVX512 static int mpt__few_full_row(const mpt_gemm_desc *d, mpt_dtype bt,
+                                                const float *arow, const char *b, int64_t kb,
+                                                int64_t j0, int n, const float *bias,
+                                                const mpt__gemm_epi *e) {
+    __m512 acc[8];
+    const int vecs = n / 16;
+    int v;
+    if ((n != 64 && n != 128) || (bt != MPT_FLOAT32 && bt != MPT_FLOAT16)) return 0;
+    if (bt == MPT_FLOAT32)
+        (vecs == 8 ? mpt__few_full8_f32 : mpt__few_full4_f32)(arow, b, d->ldb, kb, acc);
+    else
+        (vecs == 8 ? mpt__few_full8_f16 : mpt__few_full4_f16)(arow, b, d->ldb, kb, acc);
+    for (v = 0; v < vecs; v++)
+        mpt__gemm_store_avx512(d->c + j0 + 16 * v, acc[v], (__mmask16)0xFFFF,
+                               bias ? bias + 16 * v : NULL, e);
+    return 1;
+}
+
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0) {
     const mpt_gemm_desc *d = job->d;
     const mpt_dtype dt = job->dtype, bt = job->b_dtype;
@@ -29491,9 +29554,13 @@ MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job
         e.relu = last && d->activation == MPT_ACT_RELU;
         e.bias = NULL;
         for (i = 0; i < d->m; i++)
-            for (k = 0; k < kb; k++)
-                arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
-                    dt, (const char *)d->a + (size_t)(i * a_ls + (pc + k) * a_ks) * es, 1));
+            if (dt == MPT_FLOAT32 && a_ks == 1) /* the same floats, copied whole */
+                memcpy(arow[i], (const float *)d->a + i * a_ls + pc, sizeof(float) * (size_t)kb);
+            else
+                for (k = 0; k < kb; k++)
+                    arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
+                        dt, (const char *)d->a + (size_t)(i * a_ls + (pc + k) * a_ks) * es, 1));
+        if (d->m == 1 && mpt__few_full_row(d, bt, arow[0], b, kb, j0, n, bias, &e)) continue;
         switch (d->m) {
         case 1:
             if (n > MPT__GEMM_FEW_COLS) MPT__FEW_BLOCK(MPT__FEW_1x8, MPT__FEW_B8)

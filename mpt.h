@@ -18470,7 +18470,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
                   product, packed into the GEMM's panels once (the GEMM
                   packs B on every call from 5 rows), or for fewer rows
                   (a batch of 1), which read B in place, into strips of
-                  columns each contiguous (MPT__GEMM_STRIP): the same
+                  columns each contiguous (mpt__gemm_strip_width): the same
                   floats, the same bits (mpt__predict_gemm);
      conv kernels each Conv2D's kernel as the backend's direct product
                   prepares it (Winograd's U = G g Gᵀ, the direct tiles'
@@ -18515,7 +18515,7 @@ static int mpt__gemm_packed_fits(mpt_context *ctx, const mpt_gemm_desc *d,
                                  const mpt__gemm_packed *p);
 static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
                                 const mpt__gemm_packed *p);
-static void mpt__gemm_packed_free(mpt_context *ctx, mpt__gemm_packed *p);
+static void mpt__gemm_packed_free(const mpt_context *ctx, mpt__gemm_packed *p);
 /* ... in @impl-batchnorm: */
 static int mpt__bn_fold_into(const mpt__layer *B, float *kernel, float *bias, int64_t rows,
                              int64_t channels);
@@ -28729,26 +28729,36 @@ static void mpt__gemm_half_b(mpt_context *ctx, const mpt_gemm_desc *d) {
    the same bits as mpt__gemm's. Products that do not pack B (at most
    MPT__GEMM_FEW_ROWS rows on the AVX-512 path) run as mpt__gemm does. */
 struct mpt__gemm_packed { /* the typedef is with @impl-predict-plan's declarations */
-    const void *b;          /* the B packed, (k, n) float32 with ldb    */
+    const void *b;          /* the B packed, (k, n) with ldb; NULL where
+                               it was a copy made for packing (below)   */
     int64_t k, n, ldb;
+    mpt_dtype b_dtype;      /* B's: float32, or float16 under a float32 A
+                               (mpt__gemm_keep_half_b)                   */
     mpt__gemm_path path;    /* the layout's path and blocks             */
     int64_t kc, cols;       /* cols: n rounded up to whole panels       */
-    float *panels;          /* (k, cols), see mpt__gemm_job.bpre; or,
-                               strips: the few-rows layout below         */
+    void *panels;           /* (k, cols) float32 (a float16 B widened),
+                               see mpt__gemm_job.bpre; or, strips: the
+                               few-rows layout below, in B's dtype       */
     int strips;
+    int64_t strip_w;        /* strips: their width (below)              */
 };
 
 /* The few-rows path (mpt__gemm_few_rows: a Dense on one sample) reads B
    in place, a strip of 64 or 128 columns down all k rows, each row's
    piece ldb floats after the last: a stride the hardware's prefetchers
    do not follow across pages (4 KiB for 1024 columns). Predict's plan
-   keeps such a B as strips of MPT__GEMM_STRIP columns, each (k, w)
-   contiguous, w = MPT__GEMM_STRIP but for the last: strip s of B's
-   columns [J, J + w), J = s·MPT__GEMM_STRIP, starts at panels + J·k, so
-   that the product reads it as a B whose row pc starts at panels + J·(k −
-   1) + pc·w (within the block), ldb w: the same FMAs in the same order,
-   so the same bits, a fifth faster on a 784 × 1024 kernel. */
-#define MPT__GEMM_STRIP 128 /* a multiple of every strip mpt__gemm_few_cols cuts */
+   keeps such a B as strips of W columns, each (k, w) contiguous, w = W
+   but for the last: strip s of B's columns [J, J + w), J = s·W, starts
+   at panels + J·k, so that the product reads it as a B whose row pc
+   starts at panels + J·(k − 1) + pc·w (within the block), ldb w: the same
+   FMAs in the same order, so the same bits, a fifth faster on a 784 ×
+   1024 kernel. W is the strip a task of one row takes
+   (mpt__gemm_few_cols: 128, or 64 where 128 would leave a thread
+   without one), so that each thread reads a block of its own from end
+   to end (halves of 128-column rows, interleaved with the other
+   thread's, made a cnn_small's 5408 × 128 kernel slower on two threads
+   than on one); 2 to 4 rows take strips of 64, a half or all of one. */
+#define MPT__GEMM_STRIP 128 /* the widest strip mpt__gemm_few_cols cuts */
 
 /* Whether mpt__gemm packs d's B (float32): not where the product is
    empty or reads B in place (mpt__gemm_few_rows). */
@@ -28762,19 +28772,40 @@ static int mpt__gemm_packs_b(mpt_context *ctx, const mpt_gemm_desc *d) {
     return !job.pairs;
 }
 
-/* Whether mpt__gemm reads d's B (float32) in place a few rows at a time
+/* Whether mpt__gemm_typed reads d's B (b_dtype: as its; float32 or
+   float16 under a float32 A) in place a few rows at a time
    (mpt__gemm_few_rows), as predict may keep it in strips. */
-static int mpt__gemm_strips_b(mpt_context *ctx, const mpt_gemm_desc *d) {
+static int mpt__gemm_strips_typed(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dtype b_dtype) {
 #if MPT__X86
     mpt__gemm_job job;
     if (d->m <= 0 || d->n <= 0 || d->k <= 0 || d->alpha_is_zero || d->trans_b ||
         (d->ab_dtype && d->ab_dtype != MPT_FLOAT32))
         return 0;
-    mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
-    return mpt__gemm_few_rows(&job) && job.b_dtype == MPT_FLOAT32;
+    mpt__gemm_job_init(ctx, d, b_dtype, &job);
+    return mpt__gemm_few_rows(&job) && job.dtype == MPT_FLOAT32 &&
+           (job.b_dtype == MPT_FLOAT32 || job.b_dtype == MPT_FLOAT16);
+#else
+    (void)ctx, (void)d, (void)b_dtype;
+    return 0;
+#endif
+}
+
+/* Whether mpt__gemm reads d's B (float32) in place a few rows at a time. */
+static int mpt__gemm_strips_b(mpt_context *ctx, const mpt_gemm_desc *d) {
+    return mpt__gemm_strips_typed(ctx, d, MPT_DTYPE_DEFAULT);
+}
+
+/* The width of the strips d's B is kept in (W above): a task's of one row. */
+static int64_t mpt__gemm_strip_width(mpt_context *ctx, const mpt_gemm_desc *d) {
+#if MPT__X86
+    mpt__gemm_job job;
+    mpt_gemm_desc one = *d;
+    one.m = 1;
+    mpt__gemm_job_init(ctx, &one, MPT_DTYPE_DEFAULT, &job);
+    return mpt__gemm_few_cols(&job);
 #else
     (void)ctx, (void)d;
-    return 0;
+    return MPT__GEMM_STRIP;
 #endif
 }
 
@@ -28786,73 +28817,102 @@ static int mpt__gemm_packed_fits(mpt_context *ctx, const mpt_gemm_desc *d,
     if (d->trans_b || (d->ab_dtype && d->ab_dtype != MPT_FLOAT32) || d->b != p->b ||
         d->k != p->k || d->n != p->n || d->ldb != p->ldb)
         return 0;
-    if (p->strips) return mpt__gemm_strips_b(ctx, d);
+    if (p->strips) { /* a task's strip lies within one of p's */
+#if MPT__X86
+        if (!mpt__gemm_strips_b(ctx, d)) return 0;
+        mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
+        return p->strip_w % mpt__gemm_few_cols(&job) == 0;
+#else
+        return 0;
+#endif
+    }
     mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
     return job.path == p->path && job.kc == p->kc && !job.pairs;
 }
 
-static void mpt__gemm_packed_free(mpt_context *ctx, mpt__gemm_packed *p) {
+static void mpt__gemm_packed_free(const mpt_context *ctx, mpt__gemm_packed *p) {
     if (!p) return;
     mpt__free(ctx, p->panels);
     mpt__free(ctx, p);
 }
 
-/* d's B (float32, not transposed, k and n > 0) packed, from ctx's
-   allocator (mpt__gemm_packed_free); NULL when it cannot allocate. */
-static mpt__gemm_packed *mpt__gemm_pack_b_whole(mpt_context *ctx, const mpt_gemm_desc *d) {
-    mpt__gemm_job job;
+/* d's B (not transposed, k and n > 0; b_dtype as mpt__gemm_typed's)
+   packed into float32 panels, from ctx's allocator
+   (mpt__gemm_packed_free); NULL when it cannot allocate. */
+static mpt__gemm_packed *mpt__gemm_pack_b_panels(mpt_context *ctx, const mpt_gemm_desc *d,
+                                                 mpt_dtype b_dtype) {
+    mpt__gemm_job job, bjob;
     mpt__gemm_packed *p;
+    float *panels;
     int64_t pc, j, floats;
     if (d->trans_b || (d->ab_dtype && d->ab_dtype != MPT_FLOAT32) || d->k <= 0 || d->n <= 0)
         return NULL;
-    mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
+    mpt__gemm_job_init(ctx, d, b_dtype, &job);
     if (job.pairs) return NULL;
+    bjob = job; /* packed from B's own dtype, as mpt__gemm_task does */
+    bjob.dtype = job.b_dtype;
     p = (mpt__gemm_packed *)mpt__alloc(ctx, sizeof *p);
     if (!p) return NULL;
     memset(p, 0, sizeof *p);
-    p->b = d->b, p->k = d->k, p->n = d->n, p->ldb = d->ldb;
+    p->b = d->b, p->k = d->k, p->n = d->n, p->ldb = d->ldb, p->b_dtype = job.b_dtype;
     p->path = job.path, p->kc = job.kc;
     p->cols = (d->n + job.nr - 1) / job.nr * job.nr;
     if (!mpt__mul_ok(p->cols, d->k, &floats) || (uint64_t)floats > SIZE_MAX / sizeof(float) ||
-        !(p->panels = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)floats))) {
+        !(p->panels = mpt__alloc(ctx, sizeof(float) * (size_t)floats))) {
         mpt__gemm_packed_free(ctx, p);
         return NULL;
     }
+    panels = (float *)p->panels;
     for (pc = 0; pc < d->k; pc += job.kc) {
         const int64_t kb = MPT__MIN(job.kc, d->k - pc);
         for (j = 0; j < d->n; j += job.nr) {
             const int w = d->n - j <= job.nr / 2 ? job.nr / 2 : job.nr;
             const int lanes = (int)MPT__MIN(job.nr, d->n - j);
-            mpt__gemm_pack(&job, p->panels + pc * p->cols + j * kb, w, d->b, j + pc * d->ldb, 1,
+            mpt__gemm_pack(&bjob, panels + pc * p->cols + j * kb, w, d->b, j + pc * d->ldb, 1,
                            d->ldb, lanes, kb);
         }
     }
     return p;
 }
 
-/* d's B (float32, as mpt__gemm_strips_b) in strips (MPT__GEMM_STRIP),
-   from ctx's allocator (mpt__gemm_packed_free); NULL when it cannot
-   allocate. */
-static mpt__gemm_packed *mpt__gemm_pack_b_strips(mpt_context *ctx, const mpt_gemm_desc *d) {
+/* d's B (float32, not transposed, k and n > 0) packed, from ctx's
+   allocator (mpt__gemm_packed_free); NULL when it cannot allocate. */
+static mpt__gemm_packed *mpt__gemm_pack_b_whole(mpt_context *ctx, const mpt_gemm_desc *d) {
+    return mpt__gemm_pack_b_panels(ctx, d, MPT_DTYPE_DEFAULT);
+}
+
+/* d's B (as mpt__gemm_strips_typed takes it) in strips
+   (mpt__gemm_strip_width), in B's own dtype, from ctx's allocator
+   (mpt__gemm_packed_free); NULL when it cannot allocate. */
+static mpt__gemm_packed *mpt__gemm_pack_b_strips_typed(mpt_context *ctx, const mpt_gemm_desc *d,
+                                                       mpt_dtype b_dtype) {
+    const size_t es = mpt_dtype_size(b_dtype ? b_dtype : MPT_FLOAT32);
     mpt__gemm_packed *p;
-    int64_t j, r, floats;
-    if (!mpt__gemm_strips_b(ctx, d)) return NULL;
+    int64_t j, r, elements;
+    if (!mpt__gemm_strips_typed(ctx, d, b_dtype)) return NULL;
     p = (mpt__gemm_packed *)mpt__alloc(ctx, sizeof *p);
     if (!p) return NULL;
     memset(p, 0, sizeof *p);
     p->b = d->b, p->k = d->k, p->n = d->n, p->ldb = d->ldb, p->strips = 1;
-    if (!mpt__mul_ok(d->k, d->n, &floats) || (uint64_t)floats > SIZE_MAX / sizeof(float) ||
-        !(p->panels = (float *)mpt__alloc(ctx, sizeof(float) * (size_t)floats))) {
+    p->b_dtype = b_dtype ? b_dtype : MPT_FLOAT32;
+    p->strip_w = mpt__gemm_strip_width(ctx, d);
+    if (!mpt__mul_ok(d->k, d->n, &elements) || (uint64_t)elements > SIZE_MAX / es ||
+        !(p->panels = mpt__alloc(ctx, es * (size_t)elements))) {
         mpt__gemm_packed_free(ctx, p);
         return NULL;
     }
-    for (j = 0; j < d->n; j += MPT__GEMM_STRIP) {
-        const int64_t w = MPT__MIN(MPT__GEMM_STRIP, d->n - j);
+    for (j = 0; j < d->n; j += p->strip_w) {
+        const int64_t w = MPT__MIN(p->strip_w, d->n - j);
         for (r = 0; r < d->k; r++)
-            memcpy(p->panels + j * d->k + r * w, (const float *)d->b + r * d->ldb + j,
-                   sizeof(float) * (size_t)w);
+            memcpy((char *)p->panels + (size_t)(j * d->k + r * w) * es,
+                   (const char *)d->b + (size_t)(r * d->ldb + j) * es, es * (size_t)w);
     }
     return p;
+}
+
+/* d's B (float32, as mpt__gemm_strips_b) in strips. */
+static mpt__gemm_packed *mpt__gemm_pack_b_strips(mpt_context *ctx, const mpt_gemm_desc *d) {
+    return mpt__gemm_pack_b_strips_typed(ctx, d, MPT_DTYPE_DEFAULT);
 }
 
 #if MPT__X86
@@ -28865,30 +28925,33 @@ typedef struct mpt__gemm_strips_job {
 static void mpt__gemm_strips_task(void *arg, int64_t task, int thread) {
     const mpt__gemm_strips_job *s = (const mpt__gemm_strips_job *)arg;
     const int64_t j0 = task * mpt__gemm_few_cols(s->job), k = s->p->k;
-    const int64_t at = j0 / MPT__GEMM_STRIP * MPT__GEMM_STRIP; /* its strip's first column */
+    const int64_t w = s->p->strip_w, at = j0 / w * w; /* its strip's first column */
+    const size_t es = mpt_dtype_size(s->p->b_dtype);
     mpt_gemm_desc e = *s->job->d;
     mpt__gemm_job job = *s->job;
     (void)thread;
     /* row pc of columns [at, at + w) at panels + at·k + pc·w: B with ldb w
-       whose column j of row pc is at panels + at·(k − 1) + pc·w + j */
-    e.b = s->p->panels + at * (k - 1);
-    e.ldb = MPT__MIN(MPT__GEMM_STRIP, e.n - at);
+       whose column j of row pc is at panels + at·(k − 1) + pc·w + j
+       (elements of B's dtype) */
+    e.b = (const char *)s->p->panels + (size_t)(at * (k - 1)) * es;
+    e.ldb = MPT__MIN(w, e.n - at);
     job.d = &e;
     mpt__gemm_few_rows_strip(&job, j0);
 }
 #endif
 
-/* d's product on B packed in p (mpt__gemm_packed_fits): the bits of
-   mpt__gemm(ctx, d). */
+/* d's product on B packed in p (mpt__gemm_packed_fits, or
+   mpt__gemm_half_on_kept's choice): the bits of mpt__gemm_typed(ctx, d,
+   p->b_dtype). */
 static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
                                 const mpt__gemm_packed *p) {
     mpt__gemm_job job;
     int64_t tasks_m;
     if (d->m <= 0 || d->n <= 0 || d->k <= 0 || d->alpha_is_zero) {
-        mpt__gemm(ctx, d);
+        mpt__gemm_typed(ctx, d, p->b_dtype);
         return;
     }
-    mpt__gemm_job_init(ctx, d, MPT_DTYPE_DEFAULT, &job);
+    mpt__gemm_job_init(ctx, d, p->b_dtype, &job);
 #if MPT__X86
     if (mpt__gemm_few_rows(&job) && p->strips) { /* as mpt__gemm_few_rows_run, on the strips */
         mpt__gemm_strips_job s;
@@ -28896,8 +28959,8 @@ static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
         int64_t t;
         s.job = &job;
         s.p = p;
-        if ((double)d->n * (double)d->k * 4.0 < 256.0 * 1024 || ctx->num_threads <= 1 ||
-            strips < 2)
+        if ((double)d->n * (double)d->k * (double)mpt_dtype_size(p->b_dtype) < 256.0 * 1024 ||
+            ctx->num_threads <= 1 || strips < 2)
             for (t = 0; t < strips; t++) mpt__gemm_strips_task(&s, t, 0);
         else
             mpt__parallel_for(ctx, strips, mpt__gemm_strips_task, &s);
@@ -28909,14 +28972,71 @@ static void mpt__gemm_on_packed(mpt_context *ctx, const mpt_gemm_desc *d,
     }
 #endif
     if (p->strips) { /* (no few-rows path here: never packed so) */
-        mpt__gemm(ctx, d);
+        mpt__gemm_typed(ctx, d, p->b_dtype);
         return;
     }
-    job.bpre = p->panels;
+    job.bpre = (const float *)p->panels;
     job.bpre_cols = p->cols;
     mpt__gemm_plan_tasks(&job, ctx->num_threads);
     tasks_m = (d->m + job.task_rows - 1) / job.task_rows;
     mpt__parallel_for(ctx, tasks_m * job.tasks_n, mpt__gemm_task, &job);
+}
+
+/* A float16 B under a float32 A (a float16 model's Dense kernel, (K, N)
+   not transposed), kept ahead for both of the product's paths, so that
+   no call converts it: strips for a few rows (mpt__gemm_few_rows), kept
+   in half, so a sample reads half the bytes a float32 kernel's strips
+   take; float32 panels for more rows, widened once where every task of
+   every call widened them as it packed. Widening is exact and the
+   kernels run on the same floats in the same order, so the bits are
+   mpt__gemm_half_b's. */
+typedef struct mpt__gemm_half_kept {
+    mpt__gemm_packed *strips; /* NULL where there is no few-rows path      */
+    mpt__gemm_packed *panels;
+} mpt__gemm_half_kept;
+
+static void mpt__gemm_half_kept_free(const mpt_context *ctx, mpt__gemm_half_kept *h) {
+    if (!h) return;
+    mpt__gemm_packed_free(ctx, h->strips);
+    mpt__gemm_packed_free(ctx, h->panels);
+    mpt__free(ctx, h);
+}
+
+/* d's B (float16, not transposed, k and n > 0; d->m not looked at) kept
+   as above, from ctx's allocator (mpt__gemm_half_kept_free); NULL when it
+   cannot allocate. Nothing is read from d->b afterwards: the caller may
+   free it. */
+static mpt__gemm_half_kept *mpt__gemm_keep_half_b(mpt_context *ctx, const mpt_gemm_desc *d) {
+    mpt__gemm_half_kept *h = (mpt__gemm_half_kept *)mpt__calloc(ctx, sizeof *h);
+    mpt_gemm_desc one = *d;
+    one.m = 1; /* the few-rows path's question: is there one for this B */
+    if (!h) return NULL;
+    h->panels = mpt__gemm_pack_b_panels(ctx, d, MPT_FLOAT16);
+    if (h->panels && mpt__gemm_strips_typed(ctx, &one, MPT_FLOAT16))
+        h->strips = mpt__gemm_pack_b_strips_typed(ctx, &one, MPT_FLOAT16);
+    if (!h->panels || (!h->strips && mpt__gemm_strips_typed(ctx, &one, MPT_FLOAT16))) {
+        mpt__gemm_half_kept_free(ctx, h);
+        return NULL;
+    }
+    h->panels->b = NULL;
+    if (h->strips) h->strips->b = NULL;
+    return h;
+}
+
+/* d's product (a float32 A; B float16, (K, N), as mpt__gemm_keep_half_b
+   kept it in h; d->b not read) on the strips or the panels, whichever
+   its rows take: the bits of mpt__gemm_half_b(ctx, d) on that B. */
+static void mpt__gemm_half_on_kept(mpt_context *ctx, const mpt_gemm_desc *d,
+                                   const mpt__gemm_half_kept *h) {
+#if MPT__X86
+    mpt__gemm_job job;
+    mpt__gemm_job_init(ctx, d, MPT_FLOAT16, &job);
+    if (mpt__gemm_few_rows(&job) && h->strips) {
+        mpt__gemm_on_packed(ctx, d, h->strips);
+        return;
+    }
+#endif
+    mpt__gemm_on_packed(ctx, d, h->panels);
 }
 
 /* -----------------------------------------------------------------------------
@@ -29467,6 +29587,69 @@ static int64_t mpt__gemm_few_cols(const mpt__gemm_job *job) {
                                                                        : MPT__GEMM_FEW_COLS;
 }
 
+/* One row's depth block of a strip whose VECS vectors of 16 columns are
+   all whole (no lane masked), B float32 or float16: the chains of
+   MPT__FEW_BLOCK's 1×VECS shape, the same FMAs in the same order, with
+   plain loads where that one masks every load by a mask kept in memory
+   and asks B's dtype at each (half the time of a batch of 1's Dense).
+   out[v]: the sums of columns 16·v to 16·v + 15. (The maskz form of the
+   widening, all lanes set: g++ 12 warns about the plain one's
+   _mm512_undefined_ps.) */
+#define MPT__FULL_ZERO(v) __m512 c##v = _mm512_setzero_ps();
+#define MPT__FULL_F32(v) c##v = _mm512_fmadd_ps(ak, _mm512_loadu_ps(bf + 16 * v), c##v);
+#define MPT__FULL_F16(v)                                                                \
+    c##v = _mm512_fmadd_ps(                                                             \
+        ak, _mm512_maskz_cvtph_ps((__mmask16)0xFFFF,                                    \
+                                  _mm256_loadu_si256((const __m256i *)(bh + 16 * v))),  \
+        c##v);
+#define MPT__FULL_OUT(v) out[v] = c##v;
+#define MPT__FULL_ROW(NAME, VECS, T, P, STEP)                                           \
+    MPT__TARGET_AVX512 static void NAME(const float *a, const void *b, int64_t ldb,     \
+                                        int64_t kb, __m512 *out) {                      \
+        const T *P = (const T *)b;                                                      \
+        int64_t k;                                                                      \
+        VECS(MPT__FULL_ZERO)                                                            \
+        for (k = 0; k < kb; k++, P += ldb) {                                            \
+            const __m512 ak = _mm512_set1_ps(a[k]);                                     \
+            VECS(STEP)                                                                  \
+        }                                                                               \
+        VECS(MPT__FULL_OUT)                                                             \
+    }
+#define MPT__FULL_V4(X) X(0) X(1) X(2) X(3)
+#define MPT__FULL_V8(X) MPT__FULL_V4(X) X(4) X(5) X(6) X(7)
+MPT__FULL_ROW(mpt__few_full4_f32, MPT__FULL_V4, float, bf, MPT__FULL_F32)
+MPT__FULL_ROW(mpt__few_full8_f32, MPT__FULL_V8, float, bf, MPT__FULL_F32)
+MPT__FULL_ROW(mpt__few_full4_f16, MPT__FULL_V4, mpt_half, bh, MPT__FULL_F16)
+MPT__FULL_ROW(mpt__few_full8_f16, MPT__FULL_V8, mpt_half, bh, MPT__FULL_F16)
+#undef MPT__FULL_ZERO
+#undef MPT__FULL_F32
+#undef MPT__FULL_F16
+#undef MPT__FULL_OUT
+#undef MPT__FULL_ROW
+#undef MPT__FULL_V4
+#undef MPT__FULL_V8
+
+/* One row's depth block (of the strip at j0, n columns) by the functions
+   above, stored with e's epilogue; returns 0 where they do not take it
+   (a lane masked, or B neither float32 nor float16). */
+MPT__TARGET_AVX512 static int mpt__few_full_row(const mpt_gemm_desc *d, mpt_dtype bt,
+                                                const float *arow, const char *b, int64_t kb,
+                                                int64_t j0, int n, const float *bias,
+                                                const mpt__gemm_epi *e) {
+    __m512 acc[8];
+    const int vecs = n / 16;
+    int v;
+    if ((n != 64 && n != 128) || (bt != MPT_FLOAT32 && bt != MPT_FLOAT16)) return 0;
+    if (bt == MPT_FLOAT32)
+        (vecs == 8 ? mpt__few_full8_f32 : mpt__few_full4_f32)(arow, b, d->ldb, kb, acc);
+    else
+        (vecs == 8 ? mpt__few_full8_f16 : mpt__few_full4_f16)(arow, b, d->ldb, kb, acc);
+    for (v = 0; v < vecs; v++)
+        mpt__gemm_store_avx512(d->c + j0 + 16 * v, acc[v], (__mmask16)0xFFFF,
+                               bias ? bias + 16 * v : NULL, e);
+    return 1;
+}
+
 MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job, int64_t j0) {
     const mpt_gemm_desc *d = job->d;
     const mpt_dtype dt = job->dtype, bt = job->b_dtype;
@@ -29491,9 +29674,13 @@ MPT__TARGET_AVX512 static void mpt__gemm_few_rows_strip(const mpt__gemm_job *job
         e.relu = last && d->activation == MPT_ACT_RELU;
         e.bias = NULL;
         for (i = 0; i < d->m; i++)
-            for (k = 0; k < kb; k++)
-                arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
-                    dt, (const char *)d->a + (size_t)(i * a_ls + (pc + k) * a_ks) * es, 1));
+            if (dt == MPT_FLOAT32 && a_ks == 1) /* the same floats, copied whole */
+                memcpy(arow[i], (const float *)d->a + i * a_ls + pc, sizeof(float) * (size_t)kb);
+            else
+                for (k = 0; k < kb; k++)
+                    arow[i][k] = _mm512_cvtss_f32(mpt__gemm_load16(
+                        dt, (const char *)d->a + (size_t)(i * a_ls + (pc + k) * a_ks) * es, 1));
+        if (d->m == 1 && mpt__few_full_row(d, bt, arow[0], b, kb, j0, n, bias, &e)) continue;
         switch (d->m) {
         case 1:
             if (n > MPT__GEMM_FEW_COLS) MPT__FEW_BLOCK(MPT__FEW_1x8, MPT__FEW_B8)
@@ -33633,10 +33820,11 @@ typedef struct mpt__qop {
                                   shift and bq, worked out as they are made    */
     float *wscale;             /* (N) int8 modes                               */
     mpt_half *wh;              /* (N, K) float16 mode                          */
-    mpt_half *wh_kn;           /* (K, N) float16 mode's Dense: wh transposed once, so
-                                  that a product of a few rows (a sample or four)
-                                  reads it in place instead of packing it (not
-                                  counted in size_bytes: what a predict holds) */
+    mpt__gemm_half_kept *wh_kept; /* float16 mode's Dense: wh as (K, N) kept for
+                                  the GEMM (mpt__gemm_keep_half_b): in half
+                                  strips for a sample or four, widened into
+                                  panels for more (not counted in size_bytes:
+                                  what a predict holds)                       */
     float *kernel;             /* (kh, kw, C, F) float16 mode's Conv2D: wh widened
                                   once into the direct convolution's layout    */
     struct mpt__q_kept_ws *conv_ws; /* float16 mode's Conv2D: the direct product's
@@ -33740,7 +33928,7 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__qgemm_packed_free(ctx, op->wpacked);
     mpt__free(ctx, op->wscale);
     mpt__free(ctx, op->wh);
-    mpt__free(ctx, op->wh_kn);
+    mpt__gemm_half_kept_free(ctx, op->wh_kept);
     mpt__free(ctx, op->kernel);
     if (op->conv_ws) mpt__free(ctx, op->conv_ws->bytes);
     mpt__free(ctx, op->conv_ws);
@@ -34975,13 +35163,15 @@ static mpt_status mpt__q_product(mpt_context *ctx, const mpt__quantized *Q, int 
         g.ab_dtype = MPT_FLOAT32;
         g.a = a, g.lda = K;
         g.b = op->w, g.ldb = K;
-        if (ex == MPT__QX_FLOAT16 && op->wh_kn) /* a Dense: (K, N), see mpt__q_float16_prepare */
-            g.trans_b = 0, g.b = op->wh_kn, g.ldb = N;
-        else if (ex == MPT__QX_FLOAT16)
-            g.b = op->wh;
+        if (ex == MPT__QX_FLOAT16) g.b = op->wh;
         g.c = (float *)y, g.ldc = N;
         g.bias = op->bias;
         g.activation = relu ? MPT_ACT_RELU : MPT_ACT_NONE;
+        if (ex == MPT__QX_FLOAT16 && op->wh_kept) { /* a Dense: see mpt__q_float16_prepare */
+            g.trans_b = 0, g.b = NULL, g.ldb = N;
+            if (rows > 0) mpt__gemm_half_on_kept(ctx, &g, op->wh_kept);
+            return MPT_OK;
+        }
         if (ex == MPT__QX_FLOAT16) { /* the half weights widened as they are packed */
             if (rows > 0) mpt__gemm_half_b(ctx, &g);
             return MPT_OK;
@@ -36873,22 +37063,32 @@ static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const
 }
 
 /* What a float16 model's predict reads instead of converting its weights
-   every call: a Dense's half weights transposed to (K, N) (mpt__q_product
-   then takes the GEMM's few-rows path at batch 1 to 4, which reads B in
-   place and needs it not transposed; a larger batch packs the same values
-   either way), and a Conv2D's widened into the direct convolution's
-   (kh, kw, C, F) float32 kernel. Both hold wh's values exactly (widening
-   is exact), so the outputs are the bits of converting per call. */
+   every call: a Dense's half weights transposed to (K, N) and kept for
+   the GEMM (mpt__gemm_keep_half_b: in half for the few-rows path a batch
+   of 1 to 4 takes, which needs B not transposed, and widened into the
+   packed panels of a larger batch), and a Conv2D's widened into the
+   direct convolution's (kh, kw, C, F) float32 kernel. Both hold wh's
+   values exactly (widening is exact), so the outputs are the bits of
+   converting per call. */
 static mpt_status mpt__q_float16_prepare(mpt_context *ctx, mpt__qop *op) {
     const int64_t N = op->info.out_channels, K = op->info.depth;
     float *wide;
     mpt_status s;
     int64_t f, k;
     if (op->info.op == MPT_QOP_FULLY_CONNECTED) {
-        op->wh_kn = (mpt_half *)mpt__alloc(ctx, sizeof(mpt_half) * (size_t)(N * K));
-        if (!op->wh_kn) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+        mpt_half *kn = (mpt_half *)mpt__alloc(ctx, sizeof(mpt_half) * (size_t)(N * K));
+        mpt_gemm_desc g;
+        if (!kn) return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
         for (f = 0; f < N; f++)
-            for (k = 0; k < K; k++) op->wh_kn[k * N + f] = op->wh[f * K + k];
+            for (k = 0; k < K; k++) kn[k * N + f] = op->wh[f * K + k];
+        memset(&g, 0, sizeof g);
+        g.m = 1, g.n = N, g.k = K;
+        g.ab_dtype = MPT_FLOAT32;
+        g.b = kn, g.ldb = N;
+        op->wh_kept = N > 0 && K > 0 ? mpt__gemm_keep_half_b(ctx, &g) : NULL;
+        mpt__free(ctx, kn);
+        if (!op->wh_kept && N > 0 && K > 0)
+            return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
         return MPT_OK;
     }
     /* widened by mpt_convert, as the per-call copy was, then reordered */

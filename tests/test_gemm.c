@@ -530,9 +530,28 @@ static mpt_gemm_desc f32_desc(const f32_operands *x) {
    alpha and beta; sigmoid) on ctx[0..2]: how many of the products differ
    in a bit; *cases counts them. misfit is the failure where the packing
    does not fit d. */
+/* Strips packed by the context that runs them (as predict keeps them:
+   as wide as one row's task on that many threads) give the bits of d's
+   product in x->c0. */
+static int own_strips_differ(mpt_context *ctx, mpt_gemm_desc *d, const f32_operands *x,
+                             int *cases) {
+    const int64_t mn = x->m * x->n;
+    int64_t i;
+    int bad;
+    mpt__gemm_packed *own = mpt__gemm_pack_b_strips(ctx, d);
+    for (i = 0; i < mn; i++) x->c1[i] = (float)(i % 13) * 0.25f;
+    d->c = x->c1;
+    CHECK(own && mpt__gemm_packed_fits(ctx, d, own), "own strips %s", own ? "do not fit" : "not made");
+    if (own) mpt__gemm_on_packed(ctx, d, own);
+    bad = memcmp(x->c0, x->c1, sizeof(float) * (size_t)mn) != 0;
+    mpt__gemm_packed_free(ctx, own);
+    (*cases)++;
+    return bad;
+}
+
 static int packed_products_differ(mpt_context *const ctx[3], mpt_gemm_desc *d,
                                   const mpt__gemm_packed *p, const f32_operands *x,
-                                  const char *misfit, int *cases) {
+                                  const char *misfit, int own_strips, int *cases) {
     const int64_t m = x->m, n = x->n, k = x->k;
     int64_t i;
     int v, t, bad = 0;
@@ -550,6 +569,7 @@ static int packed_products_differ(mpt_context *const ctx[3], mpt_gemm_desc *d,
             mpt__gemm_on_packed(ctx[t], d, p);
             bad += memcmp(x->c0, x->c1, sizeof(float) * (size_t)(m * n)) != 0;
             (*cases)++;
+            if (own_strips) bad += own_strips_differ(ctx[t], d, x, cases);
         }
     return bad;
 }
@@ -582,7 +602,7 @@ static void test_packed_b(void) {
             CHECK(p != NULL, "%lldx%lldx%lld: packing failed", (long long)m, (long long)n,
                   (long long)k);
             if (p)
-                bad += packed_products_differ(ctx, &d, p, &x, "the packing does not fit", &cases);
+                bad += packed_products_differ(ctx, &d, p, &x, "the packing does not fit", 0, &cases);
             /* only the AVX-512 path reads B in place, for at most 4 rows */
             CHECK(!p || mpt__gemm_packs_b(ctx[0], &d) ==
                             (m > 4 || !(mpt_context_cpu_features(ctx[0]) & MPT_CPU_AVX512)),
@@ -602,12 +622,14 @@ static void test_packed_b(void) {
    product that reads B in place: 1 to 4 rows, column counts that end a
    strip of 128 short, in a 64-column strip or on a 16-lane tail, depths
    of one and several blocks, both A layouts, every epilogue, 1 to 3
-   threads (on the pool from 256 KiB of B). Only the AVX-512 path reads
-   B so; elsewhere nothing is kept. */
+   threads (on the pool from 256 KiB of B), strips packed on one thread
+   (128 columns wide) and on the context that runs them (64 wide where
+   128 would leave a thread without one: a one-row task's own). Only the
+   AVX-512 path reads B so; elsewhere nothing is kept. */
 static void test_strips_b(void) {
     static const struct { int64_t m, n, k; } shapes[] = {
         {1, 1024, 784}, {1, 128, 5408}, {1, 10, 128}, {2, 200, 33}, {3, 520, 700},
-        {4, 47, 1025}, {1, 300, 513}, {2, 1024, 96}, {1, 64, 7},
+        {4, 47, 1025}, {1, 300, 513}, {2, 1024, 96}, {1, 64, 7}, {1, 200, 700},
     };
     mpt_context *ctx[3];
     int si, t, bad = 0, cases = 0;
@@ -624,7 +646,7 @@ static void test_strips_b(void) {
         p = mpt__gemm_pack_b_strips(ctx[0], &d);
         CHECK(!p == !avx512, "%lldx%lldx%lld: strips %s", (long long)m, (long long)n,
               (long long)k, p ? "made off the few-rows path" : "not made");
-        if (p) bad += packed_products_differ(ctx, &d, p, &x, "the strips do not fit", &cases);
+        if (p) bad += packed_products_differ(ctx, &d, p, &x, "the strips do not fit", 1, &cases);
         if (p) { /* five rows are no longer a few: the panels' product, which strips do not fit */
             d.m = 5;
             CHECK(!mpt__gemm_packed_fits(ctx[0], &d, p), "strips fit a product of 5 rows");
@@ -635,6 +657,74 @@ static void test_strips_b(void) {
     CHECK(bad == 0, "%d of %d products on B in strips differ", bad, cases);
     test__end("gemm on B kept in strips bit-identical to reading it in place (%d products)", cases);
     for (t = 0; t < 3; t++) mpt_context_destroy(ctx[t]);
+}
+
+/* A float16 B kept ahead (mpt__gemm_keep_half_b, as a float16 model
+   keeps a Dense's kernel: half strips for 1 to 4 rows, float32 panels
+   for more) gives the bits of mpt__gemm_half_b, which widens B as it
+   reads or packs it each call, with B's memory gone (the product must not
+   read it): 1 to 4, 5 and many rows, column counts that fill strips of
+   128 and of 64 or end on a tail, depths of one and several blocks,
+   every epilogue, 1 to 3 threads, on every path. Strips are kept only
+   where the few-rows path exists (AVX-512). */
+static void test_half_kept(void) {
+    static const struct { int64_t m, n, k; } shapes[] = {
+        {1, 1024, 784}, {1, 128, 1100}, {1, 200, 37}, {2, 10, 600}, {3, 257, 513}, {4, 64, 7},
+        {5, 128, 600}, {40, 100, 300}, {129, 10, 784},
+    };
+    int pi, si, t, bad, cases;
+    for (pi = 0; pi < N_PATHS; pi++) {
+        mpt_context *ctx[3];
+        int have;
+        for (t = 0; t < 3; t++) ctx[t] = path_ctx(t + 1, paths[pi].disable);
+        have = ctx[0] && (mpt_context_cpu_features(ctx[0]) & paths[pi].needs) == paths[pi].needs;
+        bad = cases = 0;
+        test__begin();
+        if (!have) SKIP("this CPU lacks the path");
+        for (si = 0; have && si < (int)(sizeof shapes / sizeof shapes[0]); si++)
+            for (t = 0; t < 3; t++) {
+                const int64_t m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
+                const int avx512 = (mpt_context_cpu_features(ctx[t]) & MPT_CPU_AVX512) != 0;
+                float *av, *bv, *c0, *c1, *bias;
+                void *a = rand_matrix(MPT_FLOAT32, m, k, &av);
+                void *b = rand_matrix(MPT_FLOAT16, k, n, &bv);
+                void *bz = rand_matrix(MPT_FLOAT32, 1, n, &bias);
+                mpt__gemm_half_kept *h;
+                mpt_gemm_desc d;
+                int64_t i;
+                memset(&d, 0, sizeof d);
+                d.m = m, d.n = n, d.k = k;
+                d.ab_dtype = MPT_FLOAT32;
+                d.a = a, d.lda = k;
+                d.b = b, d.ldb = n;
+                d.ldc = n;
+                d.bias = si % 3 ? bias : NULL;
+                d.activation = si % 3 == 1 ? MPT_ACT_RELU : si % 3 == 2 ? MPT_ACT_GELU
+                                                                        : MPT_ACT_NONE;
+                c0 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+                c1 = (float *)malloc(sizeof(float) * (size_t)(m * n));
+                for (i = 0; i < m * n; i++) c0[i] = c1[i] = (float)(i % 7) * 0.5f;
+                d.c = c0;
+                mpt__gemm_half_b(ctx[t], &d);
+                h = mpt__gemm_keep_half_b(ctx[t], &d);
+                CHECK(h && h->panels && !h->strips == !avx512,
+                      "%lldx%lldx%lld, %d threads: %s", (long long)m, (long long)n,
+                      (long long)k, t + 1, !h ? "nothing kept" : !h->panels ? "no panels"
+                                           : h->strips ? "strips off the few-rows path"
+                                                       : "no strips");
+                memset(b, 0xFF, sizeof(uint16_t) * (size_t)(k * n)); /* NaNs: must not be read */
+                d.b = NULL, d.c = c1;
+                if (h) mpt__gemm_half_on_kept(ctx[t], &d, h);
+                if (!h || memcmp(c0, c1, sizeof(float) * (size_t)(m * n))) bad++;
+                cases++;
+                mpt__gemm_half_kept_free(ctx[t], h);
+                free(a), free(b), free(bz), free(av), free(bv), free(bias), free(c0), free(c1);
+            }
+        CHECK(bad == 0, "%d of %d products on a kept float16 B differ", bad, cases);
+        test__end("gemm on a float16 B kept ahead bit-identical to widening it each call, %s "
+                  "(%d products)", paths[pi].name, cases);
+        for (t = 0; t < 3; t++) mpt_context_destroy(ctx[t]);
+    }
 }
 
 /* Predict keeps a float32 Dense's kernel packed (mpt__predict_gemm) only
@@ -797,6 +887,7 @@ int main(void) {
     test_half_b();
     test_packed_b();
     test_strips_b();
+    test_half_kept();
     test_predict_plan();
     return test_summary("test_gemm");
 }

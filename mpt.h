@@ -2812,16 +2812,20 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    fake quantization computes in float32 and the result is stored in the
    layer's dtype. A graph trains so too: a merge's output (after the ReLU
    fused into it) is fake-quantized with a range of its own, and every
-   layer reading a node reads its fake-quantized value. Refused
+   layer reading a node reads its fake-quantized value. So does a model of
+   several inputs and outputs: each added input is fake-quantized with a
+   range of its own (its InputLayer's: mpt_model_qat_range of that layer's
+   index), which the conversion gives that input; each output is
+   fake-quantized in place, as the losses read it (a softmax ending a
+   Dense or Conv2D still only on the last layer). Refused
    (MPT_ERR_UNSUPPORTED): a CUDA context, a strategy, a layer the
    full-integer model has no form for, a Dense or Conv2D ending in an
    activation other than ReLU, unless it is the model's final softmax
    (use activation none and an Activation layer), a merge of more than
    two inputs or an Average (the int8 model's partial sums are no layer's
-   output), a BatchNormalization that does not fold (the output of its
-   MUL, before the ADD, is no layer's either: post-training quantization
-   takes it), and several inputs or outputs (post-training quantization
-   takes those).
+   output), and a BatchNormalization that does not fold (the output of
+   its MUL, before the ADD, is no layer's either: post-training
+   quantization takes it).
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
@@ -2836,7 +2840,8 @@ typedef struct mpt_qat_desc {
 MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *desc);
 
 /* The range a quantization-aware model has learned for layer `layer`'s
-   output (−1: the model's input), before the widening to hold 0.
+   output (−1: the model's input 0; an added input's InputLayer: that
+   input), before the widening to hold 0.
    MPT_ERR_STATE when m is not quantization-aware; MPT_ERR_INVALID_ARGUMENT
    when that output is not fake-quantized or has not met a training batch
    yet (nor taken a range from a loaded file: @checkpoints). */
@@ -37104,19 +37109,6 @@ static void mpt__q_drop_float_weights(mpt_context *ctx, mpt__quantized *Q) {
 
 static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *lo, float *hi);
 
-/* A graph quantizes (its operations read their input nodes' tensors), of
-   several inputs and outputs too (each its own tensor); quantization-aware
-   training keeps one range for the model's input and follows one output,
-   and so takes a model of one input and one output only. */
-static mpt_status mpt__q_refuse_several(mpt_model *m, const char *what) {
-    if (mpt__several_outputs(m) || m->n_inputs > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several %s (%d) "
-                         "yet (mpt_model_quantize takes one)", what,
-                         m->n_inputs > 1 ? "inputs" : "outputs",
-                         m->n_inputs > 1 ? m->n_inputs : m->n_outputs);
-    return MPT_OK;
-}
-
 static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
     mpt_context *ctx = m->ctx;
     if (d->mode < 0 || d->mode >= MPT_QUANTIZE_MODE_COUNT_)
@@ -37607,7 +37599,9 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    (mpt__qat_backward_mask). The last layer's output is the model's, so
    it is quantized in place, its unquantized copy in the point's buffer.
    The model's input has a point too (its gradient, which training never
-   needs, passes unmasked). Kernels are fake-quantized from the masters at
+   needs, passes unmasked), and so does each added input's InputLayer. The
+   declared outputs are quantized in place as the last layer is
+   (mpt__qat_in_place), for their losses. Kernels are fake-quantized from the masters at
    the start of every forward pass into a buffer of QAT's own, which the
    layers read as their compute copy. All of it runs on the CPU backend. */
 
@@ -37892,6 +37886,23 @@ static void mpt__qat_kernel(mpt_model *m, int i) {
     mpt__convert(m->ctx, P->compute_dtype, P->compute, MPT_FLOAT32, w, P->count);
 }
 
+/* Whether layer i's output is quantized in place: the last layer's and
+   each declared output's, which the losses read (readers in a graph read
+   it there too); every other point quantizes into its own buffer. */
+static int mpt__qat_in_place(const mpt_model *m, int i) {
+    int k;
+    if (i == m->n_layers - 1) return 1;
+    for (k = 0; k < m->n_outputs; k++)
+        if (m->output_node[k] == i + 1) return 1;
+    return 0;
+}
+
+/* Input 0's elements of one sample (layer 0 may be an added input's
+   InputLayer). */
+static int64_t mpt__qat_input_count(const mpt_model *m) {
+    return mpt__shape_count(m->desc.input_rank, m->desc.input_shape);
+}
+
 /* mpt__forward_begin's: every kernel quantized, then the input (*x then
    points at its quantized copy). */
 static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
@@ -37900,7 +37911,7 @@ static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype
     int i;
     for (i = 0; i < m->n_layers; i++)
         if (Q->kernel[i]) mpt__qat_kernel(m, i);
-    mpt__qat_point_run(m, &Q->input, dtype, *x, Q->input.out, batch * m->layers[0].in_count,
+    mpt__qat_point_run(m, &Q->input, dtype, *x, Q->input.out, batch * mpt__qat_input_count(m),
                        training);
     if (Q->input.active) *x = Q->input.out;
 }
@@ -37909,19 +37920,19 @@ static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype
    copy where it has one (the last layer's is in place). */
 static const void *mpt__qat_output(const mpt_model *m, int i) {
     const mpt__qat_point *P = &m->qat->point[i];
-    return i < m->n_layers - 1 && P->active ? P->out : m->layers[i].y;
+    return !mpt__qat_in_place(m, i) && P->active ? P->out : m->layers[i].y;
 }
 
 /* mpt__forward_finish's, after layer i: its output quantized for the next
-   layer (*next), or in place for the last, whose softmax (left out of
-   the layer's forward) runs here on the quantized logits unless the loss
-   takes the logits. */
+   layer (*next), or in place for an output (mpt__qat_in_place); the last
+   layer's softmax (left out of the layer's forward) runs here on the
+   quantized logits unless the loss takes the logits. */
 static void mpt__qat_forward_end(mpt_model *m, int i, const void **next) {
     mpt__qat *Q = m->qat;
     mpt__layer *L = &m->layers[i];
     mpt__qat_point *P = &Q->point[i];
     int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1];
-    if (i < m->n_layers - 1) {
+    if (!mpt__qat_in_place(m, i)) {
         mpt__qat_point_run(m, P, L->dtype, L->y, P->out, n, m->last_training);
         if (P->active) *next = P->out;
         return;
@@ -37930,7 +37941,7 @@ static void mpt__qat_forward_end(mpt_model *m, int i, const void **next) {
         memcpy(P->out, L->y, (size_t)n * mpt_dtype_size(L->dtype));
         mpt__qat_point_run(m, P, L->dtype, P->out, L->y, n, m->last_training);
     }
-    if (Q->softmax_last && !m->emit_logits) { /* float32: mpt_model_quantize_aware checked */
+    if (i == m->n_layers - 1 && Q->softmax_last && !m->emit_logits) { /* float32: mpt_model_quantize_aware checked */
         mpt_quant_params probabilities = mpt__q_fixed_params(1.0f / 256, -128);
         m->be->activation(m->impl, MPT_ACT_SOFTMAX, (float *)L->y, n / cols, cols);
         mpt__qat_apply(m->ctx, MPT_FLOAT32, L->y, L->y, n, &probabilities, NULL, NULL);
@@ -37948,7 +37959,8 @@ static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
     int last = i == m->n_layers - 1;
     int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1], r, k;
     mpt__qat_job j;
-    const void *pre = last ? P->out : L->y;
+    const void *pre = mpt__qat_in_place(m, i) ? P->out : L->y;
+    if (mpt__is_input_layer(L)) return; /* an added input: no gradient */
     if (last && Q->softmax_last && !m->emit_logits) { /* dz = y·(dy − Σ dy·y), in float32 */
         float *g = (float *)dy;
         const float *y = (const float *)L->y;
@@ -38019,6 +38031,13 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
                          "trained yet, so it has no ranges: fit it first (or load a checkpoint "
                          "or weights file that holds them)");
     lo[0] = T->input.min, hi[0] = T->input.max;
+    for (i = 1; i < Q->n_in; i++) { /* added input i: its InputLayer's point */
+        const mpt__qat_point *P = &T->point[m->input_layer[i]];
+        if (!P->seen)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: input %d ('%s') has no trained "
+                             "range", i, m->layers[m->input_layer[i]].name);
+        lo[-i] = P->min, hi[-i] = P->max;
+    }
     for (i = 0; i < Q->n_ops; i++) {
         const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];
         lo[i + 1] = hi[i + 1] = 0;
@@ -38078,7 +38097,6 @@ static float mpt__qat_decay(const mpt_model *m) { return m->qat ? m->qat->decay 
 
 static mpt_status mpt__qat_check(mpt_model *m, const mpt_qat_desc *d) {
     MPT__CHECK(mpt__refuse_quantized(m, "quantize_aware"));
-    MPT__CHECK(mpt__q_refuse_several(m, "quantize_aware"));
     if (m->qat)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: the model is quantization-aware "
                          "already");
@@ -38153,7 +38171,7 @@ static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
 static mpt_status mpt__qat_plan(mpt_model *m) {
     mpt__qat *T = m->qat;
     mpt__quantized *Q = (mpt__quantized *)mpt__calloc(m->ctx, sizeof *Q);
-    int64_t largest = 0, widest = 0, tensor = m->max_batch * m->layers[0].in_count;
+    int64_t largest = 0, widest = 0, tensor = m->max_batch * mpt__qat_input_count(m);
     int i;
     mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
                                                                           "of memory");
@@ -38174,8 +38192,10 @@ static mpt_status mpt__qat_plan(mpt_model *m) {
                             Q->ops[i].name);
     mpt__quantized_free(m->ctx, Q);
     T->input.kind = MPT__QAT_LEARNED;
+    for (i = 1; i < m->n_inputs; i++) /* each added input, a tensor of its own */
+        T->point[m->input_layer[i]].kind = MPT__QAT_LEARNED;
     T->input.out = s == MPT_OK ? mpt__alloc(m->ctx, sizeof(float) * (size_t)(m->max_batch *
-                                                                            m->layers[0].in_count))
+                                                                            mpt__qat_input_count(m)))
                                : NULL;
     if (s == MPT_OK && !T->input.out) s = MPT_ERR_OUT_OF_MEMORY;
     for (i = 0; s == MPT_OK && i < m->n_layers; i++) {

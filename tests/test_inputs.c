@@ -421,8 +421,8 @@ static void test_bad_models(void) {
 
 /* fit, evaluate, predict and forward refuse what does not fit the
    inputs; the dataset refuses x and inputs together and inputs of other
-   counts; quantization-aware training refuses several inputs
-   (post-training quantization takes them: tests/test_quantize.c). */
+   counts. (Quantization takes several inputs: tests/test_quantize.c,
+   tests/test_qat.c.) */
 static void test_bad_data(void) {
     mpt_model *m = two_input_model(quiet, MPT_POLICY_FLOAT32, NULL);
     static float img[8 * IMG * IMG], vec5[8 * 5], vec[8 * VEC];
@@ -516,8 +516,6 @@ static void test_bad_data(void) {
                           MPT_ERR_INVALID_ARGUMENT, "input 1 is named 'input'", "a clash");
         mpt_model_destroy(clash);
     }
-    test_expect_error(quiet, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "quantize_aware: not for a model of several inputs", "quantize_aware");
     mpt_model_destroy(m);
 }
 

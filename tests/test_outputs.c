@@ -935,8 +935,6 @@ static void test_unsupported(void) {
     int64_t shape[2] = {2, F};
     int32_t ids[4];
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(quiet));
-    test_expect_error(quiet, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "several outputs", "quantize_aware");
     test_expect_error(quiet, mpt_model_generate(m, ids, 1, &(mpt_generate_desc){
                                                               .max_new_tokens = 1}, ids),
                       MPT_ERR_UNSUPPORTED, "several outputs", "generate");

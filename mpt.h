@@ -241,8 +241,9 @@
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
        @quantize     post-training quantization: dynamic-range, full-integer
-                     (calibrated), float16, of chains and graphs; the
-                     quantized model's layers; quantization-aware training
+                     (calibrated), float16, of chains and graphs (of several
+                     inputs and outputs too); the quantized model's layers;
+                     quantization-aware training
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)

@@ -241,8 +241,9 @@
        @checkpoints  safetensors weights and full training state
        @strategy     data parallelism: mirrored replicas, MPI workers
        @quantize     post-training quantization: dynamic-range, full-integer
-                     (calibrated), float16, of chains and graphs; the
-                     quantized model's layers; quantization-aware training
+                     (calibrated), float16, of chains and graphs (of several
+                     inputs and outputs too); the quantized model's layers;
+                     quantization-aware training
        @export       a model as a TFLite or ONNX file
      for backend implementers (mpt_cuda.cu sees this too):
        @backend      the table a compute backend implements (CPU, CUDA)
@@ -2507,9 +2508,9 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    MPT_ERR_UNSUPPORTED naming it (as is a BatchNormalization statistic that
    is not finite, MPT_ERR_NUMERIC). Every step is deterministic: the
    results are the same bit for bit on every thread count.
-   A graph (@layers' functional form: one input, one output; several of
-   either are refused) quantizes too: each operation reads the operations
-   its layer's input nodes became (mpt_quantized_layer's inputs), a
+   A graph (@layers' functional form) quantizes too: each operation reads
+   the operations its layer's input nodes became (mpt_quantized_layer's
+   inputs), a
    BatchNormalization folds (and a ReLU fuses) where the Dense or Conv2D
    before it has no other reader, a shared layer's later call is an
    operation of the same weights. The merges, in full integer as TFLite's
@@ -2537,6 +2538,20 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    int8 code 127 at scale (1/n)/127, so exactly 1/n (as the float export
    writes it: ADD, then MUL by 1/n). The float16 and dynamic-range models
    compute the merges in float32.
+   A model of several inputs (mpt_model_add_input) and several outputs
+   (mpt_model_add_output) quantizes as TFLite's converter takes a
+   keras.Model([a, b], [y, z]): representative_data holds every input
+   (mpt_dataset_desc.inputs), and in full integer each input and each
+   output is a tensor of its own quantization, calibrated on its own
+   values (mpt_quantized_info's inputs and outputs; mpt_quantized_layer's
+   inputs −1 − k for input k). The quantized model keeps the inputs'
+   and outputs' order: predict and evaluate read a dataset of every input,
+   mpt_model_predict_outputs gives each output; the files have its inputs
+   ("input", then each added input by its InputLayer's name) and outputs
+   (each output layer's name) in that order, as the float files.
+   mpt_model_evaluate of a quantized model of several outputs and
+   mpt_model_quantized_invoke of one of several inputs or outputs are
+   refused with MPT_ERR_UNSUPPORTED.
    A transformer (examples/gpt.c) quantizes in dynamic range and float16:
    Embedding (GATHER; the model's int32 ids in, an id outside the table
    refused by predict as by the float model), PositionEmbedding and
@@ -2578,7 +2593,8 @@ typedef struct mpt_quantize_desc {
     mpt_quantize_mode mode;                 /* default dynamic-range           */
     /* Full integer only: */
     const mpt_dataset *representative_data; /* required: samples shaped as the
-                                               model's input (labels unread);
+                                               model's input, or each of its
+                                               inputs (labels unread);
                                                not read for a quantization-
                                                aware model, whose trained
                                                ranges are used instead      */
@@ -2680,7 +2696,8 @@ typedef struct mpt_quantized_layer {
     const int32_t *shift;
     mpt_quant_params input, output; /* full integer: the int8 tensors         */
     /* What it reads: the operations whose outputs are its inputs (−1: the
-       model's input), in order; one for every op but the merges. In a
+       model's input; −1 − k: its added input k, mpt_model_add_input), in
+       order; one for every op but the merges. In a
        Sequential model operation i reads i − 1. `input` above is input
        0's quantization; each other's is its producer's output. */
     int n_inputs;
@@ -2718,7 +2735,13 @@ typedef struct mpt_quantized_info {
     mpt_quant_params input, output; /* full integer: the model's input and
                                       output tensors in io_dtype (uint8: the
                                       zero point + 128); float32 io: the int8
-                                      tensors the ends quantize to and from */
+                                      tensors the ends quantize to and from;
+                                      of several, input 0's and output 0's */
+    int n_inputs, n_outputs;       /* the model's (mpt_model_add_input,
+                                      mpt_model_add_output), in its order     */
+    mpt_quant_params inputs[MPT_MAX_INPUTS], outputs[MPT_MAX_OUTPUTS];
+                                   /* full integer: each input's and output's
+                                      own, as input and output say            */
     int n_layers;                  /* the operations                           */
     /* What a file holds: weights (1 byte each, 2 in float16), biases (4),
        and per channel scales (4) in the int8 modes; constants per channel
@@ -2737,7 +2760,9 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
    (batch, input shape...) in the model's io_dtype (int32 ids for a model
    of int32 input: mpt_model_desc.input_dtype), y is filled with
    (batch, output shape...) in io_dtype (float32: dequantized). y is
-   allocated here (owned; mpt_tensor_free). Any batch size. */
+   allocated here (owned; mpt_tensor_free). Any batch size. A model of
+   several inputs or outputs is refused (MPT_ERR_UNSUPPORTED): predict a
+   dataset of them all (mpt_model_predict_outputs). */
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
 
 /* Quantization-aware training, as tfmot's quantize_model: the float model
@@ -2788,15 +2813,20 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    fake quantization computes in float32 and the result is stored in the
    layer's dtype. A graph trains so too: a merge's output (after the ReLU
    fused into it) is fake-quantized with a range of its own, and every
-   layer reading a node reads its fake-quantized value. Refused
+   layer reading a node reads its fake-quantized value. So does a model of
+   several inputs and outputs: each added input is fake-quantized with a
+   range of its own (its InputLayer's: mpt_model_qat_range of that layer's
+   index), which the conversion gives that input; each output is
+   fake-quantized in place, as the losses read it (a softmax ending a
+   Dense or Conv2D still only on the last layer). Refused
    (MPT_ERR_UNSUPPORTED): a CUDA context, a strategy, a layer the
    full-integer model has no form for, a Dense or Conv2D ending in an
    activation other than ReLU, unless it is the model's final softmax
    (use activation none and an Activation layer), a merge of more than
    two inputs or an Average (the int8 model's partial sums are no layer's
-   output), a BatchNormalization that does not fold (the output of its
-   MUL, before the ADD, is no layer's either: post-training quantization
-   takes it), and several inputs or outputs.
+   output), and a BatchNormalization that does not fold (the output of
+   its MUL, before the ADD, is no layer's either: post-training
+   quantization takes it).
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
@@ -2811,7 +2841,8 @@ typedef struct mpt_qat_desc {
 MPTDEF mpt_status mpt_model_quantize_aware(mpt_model *m, const mpt_qat_desc *desc);
 
 /* The range a quantization-aware model has learned for layer `layer`'s
-   output (−1: the model's input), before the widening to hold 0.
+   output (−1: the model's input 0; an added input's InputLayer: that
+   input), before the widening to hold 0.
    MPT_ERR_STATE when m is not quantization-aware; MPT_ERR_INVALID_ARGUMENT
    when that output is not fake-quantized or has not met a training batch
    yet (nor taken a range from a loaded file: @checkpoints). */
@@ -10656,7 +10687,7 @@ typedef struct mpt__quantized mpt__quantized;
 static void mpt__quantized_free(const mpt_context *ctx, mpt__quantized *Q);
 static mpt_status mpt__refuse_quantized(mpt_model *m, const char *what);
 static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
-                                         int64_t batch_size, mpt_tensor *out);
+                                         int64_t batch_size, int n_out, mpt_tensor *outs);
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs);
 static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size);
@@ -11069,7 +11100,14 @@ MPTDEF mpt_node mpt_model_add_input(mpt_model *m, const mpt_input_desc *desc) {
     return mpt__applied(m, mpt__add_layer(m, &mpt__input_layer_ops, &d));
 }
 
-MPTDEF int mpt_model_input_count(const mpt_model *m) { return m ? m->n_inputs : 0; }
+/* Defined below, in @impl-quantized-use: a quantized model's inputs and
+   outputs, which it keeps itself (it has no layers). */
+static int mpt__q_input_count(const mpt_model *m);
+static int mpt__q_output_count(const mpt_model *m);
+
+MPTDEF int mpt_model_input_count(const mpt_model *m) {
+    return !m ? 0 : m->quantized ? mpt__q_input_count(m) : m->n_inputs;
+}
 
 /* ---- several outputs: nodes declared the model's outputs ---------------------
    An output is a node whose values the loss reads and whose gradient the
@@ -11133,7 +11171,7 @@ MPTDEF mpt_status mpt_model_add_output(mpt_model *m, mpt_node node) {
 }
 
 MPTDEF int mpt_model_output_count(const mpt_model *m) {
-    return m ? mpt__output_count(m) : 0;
+    return !m ? 0 : m->quantized ? mpt__q_output_count(m) : mpt__output_count(m);
 }
 
 MPTDEF const char *mpt_model_output_name(const mpt_model *m, int k) {
@@ -17441,8 +17479,11 @@ static mpt_status mpt__check_added_samples(mpt_model *m, const mpt_dataset *d, i
 
 /* A dataset holds a tensor for every input of the model (Keras' fit([a,
    b], y) for a model of two), each fitting its input. */
+static mpt_status mpt__q_check_inputs(mpt_model *m, const mpt_dataset *d, const char *what);
+
 static mpt_status mpt__check_inputs(mpt_model *m, const mpt_dataset *d, const char *what) {
     int k;
+    if (m->quantized) return mpt__q_check_inputs(m, d, what); /* (@impl-quantized-use) */
     if (d->n_inputs != m->n_inputs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: the dataset holds %d input "
                          "tensor%s but the model has %d input%s (mpt_dataset_desc.inputs: one "
@@ -19054,7 +19095,7 @@ static mpt_status mpt__predict(mpt_model *m, const mpt_dataset *data, int64_t ba
 MPTDEF mpt_status mpt_model_predict(mpt_model *m, const mpt_dataset *data, int64_t batch_size,
                                     mpt_tensor *out) {
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (m->quantized) return mpt__quantized_predict(m, data, batch_size, out);
+    if (m->quantized) return mpt__quantized_predict(m, data, batch_size, 1, out);
     if (!data || !out)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
                          data ? "out" : "data");
@@ -19072,12 +19113,12 @@ MPTDEF mpt_status mpt_model_predict_outputs(mpt_model *m, const mpt_dataset *dat
     if (!data || !outs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict_outputs: NULL %s",
                          data ? "outs" : "data");
-    if (n != mpt__output_count(m))
+    if (n != mpt_model_output_count(m))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict_outputs: given room for %d "
                          "output%s, but the model has %d", n, n == 1 ? "" : "s",
-                         mpt__output_count(m));
+                         mpt_model_output_count(m));
     memset(outs, 0, sizeof *outs * (size_t)n);
-    if (m->quantized) return mpt__quantized_predict(m, data, batch_size, outs);
+    if (m->quantized) return mpt__quantized_predict(m, data, batch_size, n, outs);
     return mpt__predict(m, data, batch_size, n, outs);
 }
 
@@ -33875,6 +33916,9 @@ typedef struct mpt__qwork {
     float *sample_scale; /* (batch) a dynamic conv's scale per sample        */
     void *cols;         /* im2col chunk, up to max(budget, max_cols) float32 */
     int64_t batch;
+    const void *added[MPT_MAX_INPUTS]; /* [k >= 1] this batch's added input k:
+                           the caller's (float passes) or its int8 codes in
+                           its slot (integer); [0] unused: x is input 0 */
 } mpt__qwork;
 
 struct mpt__quantized {
@@ -33882,15 +33926,27 @@ struct mpt__quantized {
     mpt_dtype io_dtype;
     int n_ops;
     mpt__qop *ops;              /* [n_ops]                                      */
-    mpt_quant_params *tensor;   /* [n_ops + 1]: [0] the input, [i + 1] op i's output */
-    int out_t;                  /* the tensor that is the model's output         */
+    /* The tensors: t = 0 the model's input, −k its added input k (k in
+       1..n_in − 1, mpt_model_add_input), i + 1 op i's output. An array over
+       them points at tensor 0's entry, the added inputs' before it
+       (mpt__q_tensors_alloc): n_in − 1 + n_ops + 1 entries. */
+    int n_in;
+    mpt_quant_params *tensor;   /* each tensor's quantization                   */
+    int out_t;                  /* the tensor that is output 0 (outs[0])         */
+    int n_out, outs[MPT_MAX_OUTPUTS]; /* the model's outputs, in its order     */
+    char out_name[MPT_MAX_OUTPUTS][64]; /* their layers' names (the files')   */
     /* Where each tensor lives in a batch (mpt__q_plan): a reshape's output
        is its input's bytes (root, the tensor that holds them); every other
        tensor is a slot of the work block, taken when it is written and
        given back after its last reader, so that a chain uses two. */
-    int *root, *slot;           /* [n_ops + 1] each                              */
+    int *root, *slot;           /* over the tensors, each                        */
     int n_slots;
-    int64_t in_count;           /* elements of one input sample                  */
+    int64_t in_count;           /* elements of one sample of input 0             */
+    /* Added input k (k >= 1): one sample's shape, elements, whether it
+       holds int32 ids, its InputLayer's name. */
+    int in_rank[MPT_MAX_INPUTS], in_ids[MPT_MAX_INPUTS];
+    int64_t in_shape[MPT_MAX_INPUTS][MPT_MAX_RANK - 1], in_counts[MPT_MAX_INPUTS];
+    char in_name[MPT_MAX_INPUTS][64];
     int64_t max_count;          /* of the largest tensor of one sample           */
     int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
     int64_t size_bytes;
@@ -33940,15 +33996,57 @@ static void mpt__qop_free(const mpt_context *ctx, mpt__qop *op) {
     mpt__free(ctx, op->beta);
 }
 
+/* The tensors of Q (mpt__quantized): added inputs, input 0, every op's output. */
+static int mpt__q_tensor_count(const mpt__quantized *Q) { return Q->n_in + Q->n_ops; }
+
+/* An array of `size`-byte entries over Q's tensors, zeroed, pointing at
+   tensor 0's entry (the added inputs' lie before it); NULL when out of
+   memory. */
+static void *mpt__q_tensors_alloc(mpt_context *ctx, const mpt__quantized *Q, size_t size) {
+    unsigned char *base = (unsigned char *)mpt__calloc(ctx, size * (size_t)mpt__q_tensor_count(Q));
+    return base ? base + size * (size_t)(Q->n_in - 1) : NULL;
+}
+
+/* Frees what mpt__q_tensors_alloc gave (`size`-byte entries), or NULL. */
+static void mpt__q_tensors_free(const mpt_context *ctx, const mpt__quantized *Q, void *array,
+                                size_t size) {
+    if (array) mpt__free(ctx, (unsigned char *)array - size * (size_t)(Q->n_in - 1));
+}
+
+/* Whether tensor t is one of the model's outputs (kept to the end of a
+   batch, never fused away). */
+static int mpt__q_is_output(const mpt__quantized *Q, int t) {
+    int k;
+    for (k = 0; k < Q->n_out; k++)
+        if (Q->outs[k] == t) return 1;
+    return 0;
+}
+
+/* Tensor t's shape of one sample into shape; returns its rank. */
+static int mpt__q_tensor_shape(const mpt_model *m, const mpt__quantized *Q, int t,
+                               int64_t *shape) {
+    const int rank = t > 0 ? Q->ops[t - 1].info.out_rank : t < 0 ? Q->in_rank[-t]
+                                                                 : m->desc.input_rank;
+    memcpy(shape, t > 0 ? Q->ops[t - 1].info.out_shape : t < 0 ? Q->in_shape[-t]
+                                                               : m->desc.input_shape,
+           sizeof(int64_t) * (size_t)rank);
+    return rank;
+}
+
+/* Tensor t's elements of one sample. */
+static int64_t mpt__q_tensor_elements(const mpt__quantized *Q, int t) {
+    return t > 0 ? Q->ops[t - 1].out_count : t < 0 ? Q->in_counts[-t] : Q->in_count;
+}
+
 static void mpt__quantized_free(const mpt_context *ctx, struct mpt__quantized *Q) {
     int i;
     if (!Q) return;
     for (i = 0; i < Q->n_ops; i++) mpt__qop_free(ctx, &Q->ops[i]);
     mpt__free(ctx, Q->work.block);
     mpt__free(ctx, Q->ops);
-    mpt__free(ctx, Q->tensor);
-    mpt__free(ctx, Q->root);
-    mpt__free(ctx, Q->slot);
+    mpt__q_tensors_free(ctx, Q, Q->tensor, sizeof *Q->tensor);
+    mpt__q_tensors_free(ctx, Q, Q->root, sizeof *Q->root);
+    mpt__q_tensors_free(ctx, Q, Q->slot, sizeof *Q->slot);
     mpt__free(ctx, Q);
 }
 
@@ -34227,7 +34325,7 @@ static mpt__qop *mpt__q_open_op(const mpt_model *m, mpt__quantized *Q, const int
                                 const int *readers, int node) {
     const int t = node_t[node];
     mpt__qop *op;
-    if (t == 0) return NULL;
+    if (t <= 0) return NULL; /* an input */
     for (;;) {
         const mpt__layer *L = &m->layers[node - 1];
         if (readers[node] != 1) return NULL;
@@ -34521,6 +34619,12 @@ static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
                                    const int *readers, int node) {
     const mpt__layer *L = &m->layers[node - 1];
     const int in = node_t[L->in_node[0]];
+    int k;
+    if (mpt__is_input_layer(L)) { /* added input k: tensor −k */
+        for (k = 1; m->input_layer[k] != node - 1; k++) continue;
+        node_t[node] = -k;
+        return MPT_OK;
+    }
     node_t[node] = in;
     if (L->ops->identity_at_inference) return MPT_OK;
     switch (L->ops->kind) {
@@ -34570,12 +34674,24 @@ static mpt_status mpt__q_layer_ops(mpt_model *m, mpt__quantized *Q, int *node_t,
     return MPT_OK;
 }
 
+/* The model's added inputs as Q keeps them (mpt__quantized). */
+static void mpt__q_inputs(const mpt_model *m, mpt__quantized *Q) {
+    int k;
+    Q->n_in = MPT__MAX(1, m->n_inputs);
+    for (k = 1; k < Q->n_in; k++) {
+        const mpt__layer *L = &m->layers[m->input_layer[k]];
+        Q->in_rank[k] = L->out_rank;
+        memcpy(Q->in_shape[k], L->out_shape, sizeof Q->in_shape[k]);
+        Q->in_counts[k] = L->out_count;
+        Q->in_ids[k] = L->desc.input.ids;
+        snprintf(Q->in_name[k], sizeof Q->in_name[k], "%s", L->name);
+    }
+}
+
 /* Walks the float model's layers (a graph's in its order, which puts every
-   layer after its inputs) into operations; Q->out_t is the output's
-   tensor. */
+   layer after its inputs) into operations; Q->outs are the outputs'
+   tensors, in the model's order. */
 static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
-    const int out_node = mpt__several_outputs(m) || m->n_outputs == 0 ? m->n_layers
-                                                                       : m->output_node[0];
     int *node_t = (int *)mpt__calloc(m->ctx, sizeof(int) * 2 * (size_t)(m->n_layers + 1));
     int *readers = node_t ? node_t + m->n_layers + 1 : NULL, i, k;
     mpt_status s = MPT_OK;
@@ -34586,15 +34702,21 @@ static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
         mpt__free(m->ctx, node_t);
         return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
     }
+    mpt__q_inputs(m, Q);
+    Q->n_out = mpt__output_count(m);
     for (i = 0; i < m->n_layers; i++)
         for (k = 0; k < m->layers[i].n_in; k++) readers[m->layers[i].in_node[k]]++;
-    readers[out_node]++;
+    for (k = 0; k < Q->n_out; k++) readers[mpt__output_node(m, k)]++;
     for (i = 0; s == MPT_OK && i < m->n_layers; i++) {
         const int first = Q->n_ops;
         s = mpt__q_layer_ops(m, Q, node_t, readers, i + 1);
         mpt__q_name_call(m, Q, first, i + 1);
     }
-    Q->out_t = node_t[out_node];
+    for (k = 0; k < Q->n_out; k++) {
+        Q->outs[k] = node_t[mpt__output_node(m, k)];
+        snprintf(Q->out_name[k], sizeof Q->out_name[k], "%s", mpt__output_layer(m, k)->name);
+    }
+    Q->out_t = Q->outs[0];
     mpt__free(m->ctx, node_t);
     return s;
 }
@@ -34606,7 +34728,7 @@ static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
     int j, k;
     if (Q->ops[i].info.op != MPT_QOP_CONV_2D || i + 1 >= Q->n_ops ||
         Q->ops[i + 1].info.op != MPT_QOP_MAX_POOL_2D || Q->ops[i + 1].in_t[0] != i + 1 ||
-        Q->out_t == i + 1)
+        mpt__q_is_output(Q, i + 1))
         return 0;
     for (j = i + 2; j < Q->n_ops; j++)
         for (k = 0; k < Q->ops[j].info.n_inputs; k++)
@@ -34623,7 +34745,7 @@ static int mpt__q_add_follows(const mpt__quantized *Q, int i) {
     int j, k, side;
     if (Q->ops[i].info.op != MPT_QOP_CONV_2D || !add ||
         (add->info.op != MPT_QOP_ADD && add->info.op != MPT_QOP_SUB) ||
-        add->info.n_inputs != 2 || Q->out_t == i + 1 || add->in_t[0] == add->in_t[1])
+        add->info.n_inputs != 2 || mpt__q_is_output(Q, i + 1) || add->in_t[0] == add->in_t[1])
         return 0;
     side = add->in_t[0] == i + 1 ? 0 : add->in_t[1] == i + 1 ? 1 : -1;
     if (side < 0 || add->out_count != Q->ops[i].out_count) return 0;
@@ -34649,7 +34771,8 @@ static int mpt__q_chains_after(const mpt__quantized *Q, int i) {
     int j, k;
     if (i + 1 >= Q->n_ops || !mpt__qop_by_channel(&Q->ops[i]) ||
         !mpt__qop_by_channel(&Q->ops[i + 1]) || Q->ops[i + 1].in_t[0] != i + 1 ||
-        Q->ops[i + 1].info.n_constants != Q->ops[i].info.n_constants || Q->out_t == i + 1)
+        Q->ops[i + 1].info.n_constants != Q->ops[i].info.n_constants ||
+        mpt__q_is_output(Q, i + 1))
         return 0;
     for (j = i + 2; j < Q->n_ops; j++)
         for (k = 0; k < Q->ops[j].info.n_inputs; k++)
@@ -34661,34 +34784,36 @@ static int mpt__q_chains_after(const mpt__quantized *Q, int i) {
    each tensor lives: its root (a reshape's is its input's) and the slot
    of the work block that holds the root, the lowest one free when it is
    written; a slot is free again after the last operation reading its
-   tensor (the output's never is). A Conv2D that may run with its pooling
+   tensor (the outputs' never are). A Conv2D that may run with its pooling
    keeps its input alive through the pooling, which then writes from it.
-   The input is tensor 0 in slot 0 (the integer pass quantizes it there;
+   Input k is tensor −k in slot k (the integer pass quantizes it there;
    the float passes read the caller's batch). */
 static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_count) {
-    const int n = Q->n_ops + 1;
-    int *last = (int *)mpt__alloc(ctx, sizeof(int) * 2 * (size_t)n), *busy, i, k, t;
-    Q->root = (int *)mpt__alloc(ctx, sizeof(int) * (size_t)n);
-    Q->slot = (int *)mpt__alloc(ctx, sizeof(int) * (size_t)n);
-    if (!last || !Q->root || !Q->slot) {
-        mpt__free(ctx, last);
+    const int n = mpt__q_tensor_count(Q), first = 1 - Q->n_in, none = first - 1;
+    int *last = (int *)mpt__q_tensors_alloc(ctx, Q, sizeof(int)), i, k, t;
+    int *busy = (int *)mpt__alloc(ctx, sizeof(int) * (size_t)n); /* each slot's root, or none */
+    Q->root = (int *)mpt__q_tensors_alloc(ctx, Q, sizeof(int));
+    Q->slot = (int *)mpt__q_tensors_alloc(ctx, Q, sizeof(int));
+    if (!last || !busy || !Q->root || !Q->slot) {
+        mpt__q_tensors_free(ctx, Q, last, sizeof(int));
+        mpt__free(ctx, busy);
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
     }
-    busy = last + n; /* the root each slot holds, or −1 */
     Q->in_count = Q->max_count = in_count;
+    for (k = 1; k < Q->n_in; k++) Q->max_count = MPT__MAX(Q->max_count, Q->in_counts[k]);
     for (i = 0; i < Q->n_ops; i++) { /* chains of per-channel MULs and ADDs */
         int end = i;
         while (mpt__q_chains_after(Q, end)) Q->ops[++end].chained = -1;
         Q->ops[i].chained = end - i;
         i = end;
     }
-    for (t = 0; t < n; t++) {
-        const mpt__qop *op = t ? &Q->ops[t - 1] : NULL;
+    for (t = first; t <= Q->n_ops; t++) {
+        const mpt__qop *op = t > 0 ? &Q->ops[t - 1] : NULL;
         /* a reshape's output is its input's bytes, and so is a chained op's
            (the float passes run it in place; full integer skips it) */
         Q->root[t] = op && (op->info.op == MPT_QOP_RESHAPE || op->chained < 0)
                          ? Q->root[op->in_t[0]] : t;
-        last[t] = -1, busy[t] = -1;
+        last[t] = -1;
         if (op) Q->max_count = MPT__MAX(Q->max_count, op->out_count);
         if (op && op->info.op == MPT_QOP_CONV_2D)
             Q->max_cols = MPT__MAX(Q->max_cols, op->g.oh * op->g.ow * op->info.depth);
@@ -34707,7 +34832,7 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
     for (i = 0; i < Q->n_ops; i++) { /* a chain only a Conv2D reads, which may absorb it */
         const int end = i + MPT__MAX(0, Q->ops[i].chained);
         int j, readers = 0, conv = -1;
-        if (Q->ops[i].chained <= 0 || Q->out_t == end + 1) continue;
+        if (Q->ops[i].chained <= 0 || mpt__q_is_output(Q, end + 1)) continue;
         for (j = end + 1; j < Q->n_ops; j++)
             for (k = 0; k < Q->ops[j].info.n_inputs; k++)
                 if (Q->ops[j].in_t[k] == end + 1) readers++, conv = j;
@@ -34719,22 +34844,24 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
             MPT__MAX(last[Q->root[Q->ops[i].in_t[0]]],
                      conv + Q->ops[conv].fuse_pool + (Q->ops[conv].fuse_add > 0));
     }
-    last[Q->root[Q->out_t]] = n; /* never given back */
-    Q->n_slots = 1;
-    Q->slot[0] = 0, busy[0] = 0;
+    for (k = 0; k < Q->n_out; k++) last[Q->root[Q->outs[k]]] = Q->n_ops; /* never given back */
+    for (k = 0; k < n; k++) busy[k] = none;
+    Q->n_slots = Q->n_in;
+    for (k = 0; k < Q->n_in; k++) Q->slot[-k] = k, busy[k] = -k;
     for (i = 0; i < Q->n_ops; i++) {
         t = i + 1;
         if (Q->root[t] != t) {
             Q->slot[t] = Q->slot[Q->root[t]];
         } else {
-            for (k = 0; busy[k] >= 0; k++) continue;
+            for (k = 0; busy[k] != none; k++) continue;
             Q->slot[t] = k, busy[k] = t;
             Q->n_slots = MPT__MAX(Q->n_slots, k + 1);
         }
         for (k = 0; k < Q->n_slots; k++)
-            if (busy[k] >= 0 && last[busy[k]] <= i) busy[k] = -1;
+            if (busy[k] != none && last[busy[k]] <= i) busy[k] = none;
     }
-    mpt__free(ctx, last);
+    mpt__q_tensors_free(ctx, Q, last, sizeof(int));
+    mpt__free(ctx, busy);
     return MPT_OK;
 }
 
@@ -36350,8 +36477,9 @@ static mpt_status mpt__q_run_op(mpt_context *ctx, const mpt__quantized *Q, int i
 
 /* Calibration's record: each tensor's range, then its histogram. */
 typedef struct mpt__qcalib {
-    float *lo, *hi;      /* [n_ops + 1] */
-    int64_t *hist;       /* [n_ops + 1][MPT__Q_HIST_BINS]; NULL in the min/max pass */
+    float *lo, *hi;      /* over the tensors (mpt__q_tensors_alloc) */
+    int64_t *hist;       /* over the tensors, MPT__Q_HIST_BINS each; NULL in the
+                            min/max pass */
 } mpt__qcalib;
 
 static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
@@ -36364,7 +36492,7 @@ static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
         return;
     }
     {
-        int64_t *h = c->hist + (size_t)t * MPT__Q_HIST_BINS;
+        int64_t *h = c->hist + (int64_t)t * MPT__Q_HIST_BINS;
         double width = ((double)c->hi[t] - c->lo[t]) / MPT__Q_HIST_BINS;
         for (k = 0; k < n; k++) {
             int64_t bin = width > 0 ? (int64_t)((v[k] - c->lo[t]) / width) : 0;
@@ -36373,11 +36501,13 @@ static void mpt__q_observe(mpt__qcalib *c, int t, const float *v, int64_t n) {
     }
 }
 
-/* Where tensor t of a batch lies: the bytes of its root, x for the
-   input's (mpt__q_plan). */
+/* Where tensor t of a batch lies: the bytes of its root, x for input
+   0's, w->added[k] for added input k's (mpt__q_plan). */
 static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, const void *x, int t) {
     const int r = Q->root[t];
-    return r == 0 ? (void *)(uintptr_t)x : w->act[Q->slot[r]];
+    return r == 0  ? (void *)(uintptr_t)x
+           : r < 0 ? (void *)(uintptr_t)w->added[-r]
+                   : w->act[Q->slot[r]];
 }
 
 /* ADD, SUB or MUL (or a chain's table) over the context's threads, a run
@@ -36491,17 +36621,17 @@ static void mpt__q_attention(mpt_context *ctx, const mpt__quantized *Q, int i, c
     mpt__cpu_attention_forward(ctx, &a);
 }
 
-/* n samples through every operation: returns the output's bytes (x itself
-   when the output is the input, or a reshape of it, which copies
-   nothing). Each operation reads its input tensors' bytes and writes its
+/* n samples through every operation: outs[k] output k's bytes. Each operation reads its input tensors' bytes and writes its
    own (mpt__q_plan). The integer pass reads int8 x. The int8 passes run a
    one-channel Conv2D (with the MaxPooling2D after it) from the image
    where they can. With calib, every tensor is observed (reference only). */
 static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt__qexec ex,
                                  const void *x, int64_t n, mpt__qwork *w, mpt__qcalib *calib,
-                                 const void **out) {
+                                 const void **outs) {
     int i, pooled;
-    if (calib) mpt__q_observe(calib, 0, (const float *)x, n * Q->in_count);
+    for (i = 1 - Q->n_in; calib && i <= 0; i++)
+        mpt__q_observe(calib, i, (const float *)(i ? w->added[-i] : x),
+                       n * mpt__q_tensor_elements(Q, i));
     for (i = 0; i < Q->n_ops; i++) {
         const mpt__qop *op = &Q->ops[i];
         const void *in = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
@@ -36553,7 +36683,7 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         }
         if (calib) mpt__q_observe(calib, i + 1, (const float *)y, n * op->out_count);
     }
-    *out = mpt__q_tensor_at(Q, w, x, Q->out_t);
+    for (i = 0; i < Q->n_out; i++) outs[i] = mpt__q_tensor_at(Q, w, x, Q->outs[i]);
     return MPT_OK;
 }
 
@@ -36563,18 +36693,15 @@ static mpt__qexec mpt__q_exec(const mpt__quantized *Q) {
                                                 : MPT__QX_DYNAMIC;
 }
 
-static int64_t mpt__q_out_count(const mpt__quantized *Q) {
-    return Q->out_t ? Q->ops[Q->out_t - 1].out_count : Q->in_count;
+/* Output k's elements of one sample. */
+static int64_t mpt__q_out_count(const mpt__quantized *Q, int k) {
+    return mpt__q_tensor_elements(Q, Q->outs[k]);
 }
 
-/* (n, one output's shape...) into shape; returns its rank. */
-static int mpt__q_batch_shape(const mpt_model *m, int64_t n, int64_t *shape) {
-    const mpt__quantized *Q = m->quantized;
-    int rank = Q->out_t ? Q->ops[Q->out_t - 1].info.out_rank : m->desc.input_rank;
+/* (n, output k's shape...) into shape; returns its rank. */
+static int mpt__q_batch_shape(const mpt_model *m, int k, int64_t n, int64_t *shape) {
     shape[0] = n;
-    memcpy(shape + 1, Q->out_t ? Q->ops[Q->out_t - 1].info.out_shape : m->desc.input_shape,
-           sizeof(int64_t) * (size_t)rank);
-    return rank + 1;
+    return 1 + mpt__q_tensor_shape(m, m->quantized, m->quantized->outs[k], shape + 1);
 }
 
 /* The model's input quantized into int8, MPT__Q_TASK_ROWS samples a
@@ -36676,34 +36803,70 @@ static void mpt__q_quantize_input_task(void *arg, int64_t task, int thread) {
     for (; k < end; k++) j->q[k] = mpt__q_quantize(j->x[k], j->p);
 }
 
-/* A batch x of n samples (float32, or a uint8 dataset's bytes with their
-   mpt__q_byte_table, full-integer only) to n float32 outputs, whatever the
-   mode: the integer pass quantizes at the start and dequantizes at the end. */
-static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mpt_tensor *x,
-                             const int8_t *byte_table, float *y, mpt__qwork *w) {
-    const int64_t n = x->shape[0], count = n * mpt__q_out_count(Q);
-    const mpt_quant_params *o = &Q->tensor[Q->out_t];
+/* Input t (0, or −k for added input k) of a batch of n samples, x
+   (float32, or a uint8 dataset's bytes with their mpt__q_byte_table),
+   quantized into its slot (mpt__q_plan); returns the codes. */
+static const int8_t *mpt__q_quantize_input(mpt_context *ctx, const mpt__quantized *Q, int t,
+                                           const mpt_tensor *x, const int8_t *byte_table,
+                                           mpt__qwork *w) {
     mpt__qinput_job j;
-    const void *out;
-    int64_t k;
-    if (Q->mode != MPT_QUANTIZE_FULL_INTEGER) {
-        MPT__CHECK(mpt__q_forward(ctx, Q, mpt__q_exec(Q), x->data, n, w, NULL, &out));
-        memcpy(y, out, sizeof(float) * (size_t)count);
-        return MPT_OK;
-    }
+    const int64_t n = x->shape[0];
     memset(&j, 0, sizeof j);
     if (x->dtype == MPT_UINT8) j.bytes = (const uint8_t *)x->data, j.table = byte_table;
     else j.x = (const float *)x->data;
-    j.q = (int8_t *)w->act[0]; /* tensor 0's slot (mpt__q_plan) */
-    j.n = n, j.count = Q->in_count, j.p = &Q->tensor[0];
+    j.q = (int8_t *)w->act[Q->slot[t]];
+    j.n = n, j.count = mpt__q_tensor_elements(Q, t), j.p = &Q->tensor[t];
     j.avx512 = (ctx->cpu & MPT_CPU_AVX512) != 0;
     j.vbmi = j.avx512 && (ctx->cpu & MPT_CPU_AVX512_VBMI);
     mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
                       mpt__q_quantize_input_task, &j);
-    MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, j.q, n, w, NULL, &out));
-    for (k = 0; k < count; k++)
-        y[k] = (float)(((const int8_t *)out)[k] - o->zero_point) * o->scale;
+    return j.q;
+}
+
+/* A batch of n samples to n float32 outputs each (ys[k]: output k's),
+   whatever the mode: xs[0] input 0 (float32, or a uint8 dataset's bytes
+   with their mpt__q_byte_table, full-integer only), xs[k] added input k
+   (float32, or int32 ids). The integer pass quantizes the inputs at the
+   start and dequantizes the outputs at the end. */
+static mpt_status mpt__q_run(mpt_context *ctx, const mpt__quantized *Q, const mpt_tensor *xs,
+                             const int8_t *byte_table, float *const *ys, mpt__qwork *w) {
+    const int64_t n = xs[0].shape[0];
+    const void *outs[MPT_MAX_OUTPUTS], *x0;
+    int64_t k, count;
+    int o;
+    if (Q->mode != MPT_QUANTIZE_FULL_INTEGER) {
+        for (o = 1; o < Q->n_in; o++) w->added[o] = xs[o].data;
+        MPT__CHECK(mpt__q_forward(ctx, Q, mpt__q_exec(Q), xs[0].data, n, w, NULL, outs));
+        for (o = 0; o < Q->n_out; o++)
+            memcpy(ys[o], outs[o], sizeof(float) * (size_t)(n * mpt__q_out_count(Q, o)));
+        return MPT_OK;
+    }
+    x0 = mpt__q_quantize_input(ctx, Q, 0, &xs[0], byte_table, w);
+    for (o = 1; o < Q->n_in; o++) w->added[o] = mpt__q_quantize_input(ctx, Q, -o, &xs[o], NULL, w);
+    MPT__CHECK(mpt__q_forward(ctx, Q, MPT__QX_INTEGER, x0, n, w, NULL, outs));
+    for (o = 0; o < Q->n_out; o++) {
+        const mpt_quant_params *p = &Q->tensor[Q->outs[o]];
+        count = n * mpt__q_out_count(Q, o);
+        for (k = 0; k < count; k++)
+            ys[o][k] = (float)(((const int8_t *)outs[o])[k] - p->zero_point) * p->scale;
+    }
     return MPT_OK;
+}
+
+/* =============================================================================
+   @impl-quantized-model  calibration and mpt_model_quantize (the quantized
+   model at work: @impl-quantized-use)
+   ============================================================================= */
+
+/* ---- the batches' dtypes ------------------------------------------------------------------ */
+
+/* The dtypes a loader gives Q's added inputs in: float32, or int32 ids
+   as they are. */
+static void mpt__q_loader_dtypes(const mpt__quantized *Q, mpt__loader *l) {
+    mpt_dtype dtypes[MPT_MAX_INPUTS];
+    int k;
+    for (k = 1; k < Q->n_in; k++) dtypes[k] = Q->in_ids[k] ? MPT_INT32 : MPT_FLOAT32;
+    if (Q->n_in > 1) mpt__loader_input_dtypes(l, dtypes);
 }
 
 /* The dtype a quantized model's batches of d are loaded in: a full-integer
@@ -36714,16 +36877,11 @@ static mpt_dtype mpt__q_batch_dtype(const mpt__quantized *Q, const mpt_dataset *
                                                                           : MPT_FLOAT32;
 }
 
-/* =============================================================================
-   @impl-quantized-model  calibration and mpt_model_quantize (the quantized
-   model at work: @impl-quantized-use)
-   ============================================================================= */
-
 /* ---- calibration and the int8 parameters -------------------------------------------------- */
 
 /* The percentile p's value (and 100 − p's) of tensor t from its histogram. */
 static void mpt__q_percentile_range(const mpt__qcalib *c, int t, double p, float *lo, float *hi) {
-    const int64_t *h = c->hist + (size_t)t * MPT__Q_HIST_BINS;
+    const int64_t *h = c->hist + (int64_t)t * MPT__Q_HIST_BINS;
     double width = ((double)c->hi[t] - c->lo[t]) / MPT__Q_HIST_BINS, total = 0, run = 0;
     int b, first = 0, last = MPT__Q_HIST_BINS - 1;
     for (b = 0; b < MPT__Q_HIST_BINS; b++) total += (double)h[b];
@@ -36767,7 +36925,7 @@ static double mpt__q_histogram_error(const int64_t *h, const int32_t *bins, int 
    will be (mpt__q_params: 0 kept in range), the first of the least error
    in the order a, then b, ascending. A range of one value stays as it is. */
 static void mpt__q_mse_range(const mpt__qcalib *c, int t, float *lo, float *hi) {
-    const int64_t *h = c->hist + (size_t)t * MPT__Q_HIST_BINS;
+    const int64_t *h = c->hist + (int64_t)t * MPT__Q_HIST_BINS;
     const double base = c->lo[t], width = ((double)c->hi[t] - c->lo[t]) / MPT__Q_HIST_BINS;
     int32_t bins[MPT__Q_HIST_BINS];
     double best = INFINITY;
@@ -36788,11 +36946,11 @@ static void mpt__q_mse_range(const mpt__qcalib *c, int t, float *lo, float *hi) 
 static mpt_status mpt__q_ranges_finite(mpt_context *ctx, const mpt__quantized *Q,
                                        const float *lo, const float *hi) {
     int t;
-    for (t = 0; t <= Q->n_ops; t++)
+    for (t = 1 - Q->n_in; t <= Q->n_ops; t++)
         if (!isfinite(lo[t]) || !isfinite(hi[t]))
             return mpt__fail(ctx, MPT_ERR_NUMERIC, "quantize: calibration met a value that is "
-                             "not finite in the %s%s%s", t ? "output of '" : "model's input",
-                             t ? Q->ops[t - 1].name : "", t ? "'" : "");
+                             "not finite in the %s%s%s", t > 0 ? "output of '" : "model's input '",
+                             t > 0 ? Q->ops[t - 1].name : t < 0 ? Q->in_name[-t] : "input", "'");
     return MPT_OK;
 }
 
@@ -36813,33 +36971,35 @@ static mpt_status mpt__q_calibrate(mpt_model *m, mpt__quantized *Q, const mpt_qu
     batch = MPT__MIN(batch, n);
     memset(&c, 0, sizeof c);
     c.lo = lo, c.hi = hi;
-    for (t = 0; t <= Q->n_ops; t++) lo[t] = INFINITY, hi[t] = -INFINITY;
+    for (t = 1 - Q->n_in; t <= Q->n_ops; t++) lo[t] = INFINITY, hi[t] = -INFINITY;
     s = mpt__qwork_alloc(ctx, Q, batch, &w);
     order = (int64_t *)mpt__alloc(ctx, sizeof(int64_t) * (size_t)n);
     if (s == MPT_OK && !order) s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
     if (s == MPT_OK) s = mpt__loader_create(ctx, d->representative_data, batch, MPT_FLOAT32, &loader);
     if (s == MPT_OK) mpt__loader_allow_views(loader); /* the passes only read x */
+    if (s == MPT_OK) mpt__q_loader_dtypes(Q, loader);
     for (k = 0; s == MPT_OK && k < n; k++) order[k] = k;
     for (pass = 0; s == MPT_OK && pass < passes; pass++) {
-        mpt_tensor x, y;
+        mpt_tensor x, y, xs[MPT_MAX_INPUTS];
         if (pass == 1) { /* the histograms need finite ranges to lay their bins over */
             s = mpt__q_ranges_finite(ctx, Q, lo, hi);
             if (s != MPT_OK) break;
-            c.hist = (int64_t *)mpt__calloc(ctx, sizeof(int64_t) * MPT__Q_HIST_BINS *
-                                                     (size_t)(Q->n_ops + 1));
+            c.hist = (int64_t *)mpt__q_tensors_alloc(ctx, Q, sizeof(int64_t) * MPT__Q_HIST_BINS);
             if (!c.hist) { s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory"); break; }
         }
         s = mpt__loader_start_epoch(loader, order, n, batch);
         while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
-            const void *out;
-            s = mpt__q_forward(ctx, Q, MPT__QX_REFERENCE, x.data, x.shape[0], &w, &c, &out);
+            const void *outs[MPT_MAX_OUTPUTS];
+            mpt__loader_inputs(loader, xs);
+            for (t = 1; t < Q->n_in; t++) w.added[t] = xs[t].data;
+            s = mpt__q_forward(ctx, Q, MPT__QX_REFERENCE, x.data, x.shape[0], &w, &c, outs);
         }
     }
     if (s == MPT_OK) s = mpt__q_ranges_finite(ctx, Q, lo, hi);
-    for (t = 0; s == MPT_OK && c.hist && t <= Q->n_ops; t++)
+    for (t = 1 - Q->n_in; s == MPT_OK && c.hist && t <= Q->n_ops; t++)
         if (d->calibration == MPT_CALIBRATION_MSE) mpt__q_mse_range(&c, t, &lo[t], &hi[t]);
         else mpt__q_percentile_range(&c, t, d->percentile, &lo[t], &hi[t]);
-    mpt__free(ctx, c.hist);
+    mpt__q_tensors_free(ctx, Q, c.hist, sizeof(int64_t) * MPT__Q_HIST_BINS);
     mpt__loader_destroy(loader);
     mpt__free(ctx, order);
     mpt__free(ctx, w.block);
@@ -37034,7 +37194,7 @@ static mpt_status mpt__q_integer_merge(mpt_context *ctx, const mpt__quantized *Q
 static mpt_status mpt__q_make_integer(mpt_context *ctx, mpt__quantized *Q, const float *lo,
                                       const float *hi) {
     int i;
-    Q->tensor[0] = mpt__q_params(lo[0], hi[0]);
+    for (i = 1 - Q->n_in; i <= 0; i++) Q->tensor[i] = mpt__q_params(lo[i], hi[i]);
     for (i = 0; i < Q->n_ops; i++) {
         mpt__qop *op = &Q->ops[i];
         mpt_activation act = op->info.activation;
@@ -37150,19 +37310,8 @@ static void mpt__q_drop_float_weights(mpt_context *ctx, mpt__quantized *Q) {
 
 static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *lo, float *hi);
 
-/* A graph quantizes (its operations read their input nodes' tensors);
-   one of several inputs or outputs does not yet. */
-static mpt_status mpt__q_refuse_several(mpt_model *m, const char *what) {
-    if (mpt__several_outputs(m) || m->n_inputs > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "%s: not for a model of several %s (%d) "
-                         "yet", what, m->n_inputs > 1 ? "inputs" : "outputs",
-                         m->n_inputs > 1 ? m->n_inputs : m->n_outputs);
-    return MPT_OK;
-}
-
 static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
     mpt_context *ctx = m->ctx;
-    MPT__CHECK(mpt__q_refuse_several(m, "quantize"));
     if (d->mode < 0 || d->mode >= MPT_QUANTIZE_MODE_COUNT_)
         return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantize: unknown mode %d", (int)d->mode);
     if (d->calibration < 0 || d->calibration >= MPT_CALIBRATION_COUNT_)
@@ -37205,26 +37354,31 @@ static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
 /* The quantized model's own: its operations and tensors. */
 static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
                                       mpt__quantized *Q) {
-    float *range = NULL;
     mpt_status s;
+    int k;
     Q->mode = d->mode;
     Q->io_dtype = d->io_dtype;
     MPT__CHECK(mpt__q_build_ops(m, Q));
-    if (Q->out_t == 0) /* the files' writers need an operation to write */
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: the model's output is its input "
-                         "(its layers, such as Dropout, leave nothing at inference)");
-    MPT__CHECK(mpt__q_plan(m->ctx, Q, m->layers[0].in_count));
-    Q->tensor = (mpt_quant_params *)mpt__calloc(m->ctx, sizeof(mpt_quant_params) *
-                                                            (size_t)(Q->n_ops + 1));
+    for (k = 0; k < Q->n_out; k++)
+        if (Q->outs[k] <= 0) /* the files' writers need an operation to write */
+            return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize: the model's output is its "
+                             "input (output %d of %d; its layers, such as Dropout, leave "
+                             "nothing at inference)", k, Q->n_out);
+    /* input 0's elements (layer 0 may be an added input's InputLayer) */
+    MPT__CHECK(mpt__q_plan(m->ctx, Q, mpt__shape_count(m->desc.input_rank, m->desc.input_shape)));
+    Q->tensor = (mpt_quant_params *)mpt__q_tensors_alloc(m->ctx, Q, sizeof(mpt_quant_params));
     if (!Q->tensor) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
     s = mpt__q_store_weights(m->ctx, Q);
     if (s == MPT_OK && d->mode == MPT_QUANTIZE_FULL_INTEGER) {
-        range = (float *)mpt__alloc(m->ctx, sizeof(float) * 2 * (size_t)(Q->n_ops + 1));
-        if (!range) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
-        if (s == MPT_OK && m->qat) s = mpt__qat_ranges(m, Q, range, range + Q->n_ops + 1);
-        else if (s == MPT_OK) s = mpt__q_calibrate(m, Q, d, range, range + Q->n_ops + 1);
-        if (s == MPT_OK) s = mpt__q_make_integer(m->ctx, Q, range, range + Q->n_ops + 1);
-        mpt__free(m->ctx, range);
+        /* the ranges' low ends, then their high ends, over the tensors */
+        float *lo = (float *)mpt__q_tensors_alloc(m->ctx, Q, sizeof(float));
+        float *hi = (float *)mpt__q_tensors_alloc(m->ctx, Q, sizeof(float));
+        if (!lo || !hi) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize: out of memory");
+        if (s == MPT_OK && m->qat) s = mpt__qat_ranges(m, Q, lo, hi);
+        else if (s == MPT_OK) s = mpt__q_calibrate(m, Q, d, lo, hi);
+        if (s == MPT_OK) s = mpt__q_make_integer(m->ctx, Q, lo, hi);
+        mpt__q_tensors_free(m->ctx, Q, lo, sizeof(float));
+        mpt__q_tensors_free(m->ctx, Q, hi, sizeof(float));
     }
     mpt__q_drop_float_weights(m->ctx, Q);
     return s;
@@ -37285,40 +37439,86 @@ static mpt_status mpt__q_loader_open(mpt_model *m, const mpt_dataset *data, int6
         mpt__q_byte_table(m->ctx, &Q->tensor[0], data->u8_f32, byte_table);
     MPT__CHECK(mpt__loader_create(m->ctx, data, batch, dtype, loader));
     mpt__loader_allow_views(*loader); /* the passes only read x */
+    mpt__q_loader_dtypes(Q, *loader);
     return mpt__loader_start_epoch(*loader, *order, n, batch);
 }
 
-static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
-                                         int64_t batch_size, mpt_tensor *out) {
+static int mpt__q_input_count(const mpt_model *m) { return m->quantized->n_in; }
+static int mpt__q_output_count(const mpt_model *m) { return m->quantized->n_out; }
+
+/* A dataset holds a tensor for each of the quantized model's inputs, each
+   fitting it (input 0: mpt__check_samples). */
+static mpt_status mpt__q_check_inputs(mpt_model *m, const mpt_dataset *d, const char *what) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, shape[MPT_MAX_RANK], per = mpt__q_out_count(Q), done = 0, *order = NULL;
+    char got[96], want[96];
+    int k, i, ok;
+    if (d->n_inputs != Q->n_in)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: the dataset holds %d input "
+                         "tensor%s but the model has %d input%s (mpt_dataset_desc.inputs: one "
+                         "a model input, in its order)", what, d->n_inputs,
+                         d->n_inputs == 1 ? "" : "s", Q->n_in, Q->n_in == 1 ? "" : "s");
+    for (k = 1; k < Q->n_in; k++) {
+        const mpt__dataset_input *in = &d->in[k];
+        ok = in->rank == Q->in_rank[k];
+        for (i = 0; ok && i < in->rank; i++) ok = in->shape[i] == Q->in_shape[k][i];
+        if (!ok)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: input %d ('%s'): samples of shape %s "
+                             "do not fit the model's input %s", what, k, Q->in_name[k],
+                             mpt_shape_format(got, sizeof got, in->rank, in->shape),
+                             mpt_shape_format(want, sizeof want, Q->in_rank[k], Q->in_shape[k]));
+        if (Q->in_ids[k] != (in->dtype == MPT_INT32))
+            return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: input %d ('%s'): the dataset's tensor "
+                             "is %s but the model's input is %s", what, k, Q->in_name[k],
+                             mpt_dtype_name(in->dtype),
+                             Q->in_ids[k] ? "int32 token ids" : "numbers");
+    }
+    return MPT_OK;
+}
+
+/* Each of the n_out outputs' values (outs[k], allocated here; on failure
+   every one empty) for every sample of data. */
+static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
+                                         int64_t batch_size, int n_out, mpt_tensor *outs) {
+    const mpt__quantized *Q = m->quantized;
+    int64_t n, shape[MPT_MAX_RANK], done = 0, *order = NULL;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
-    mpt_tensor x, y;
-    mpt_status s;
-    if (!data || !out)
+    mpt_tensor xs[MPT_MAX_INPUTS], y;
+    float *ys[MPT_MAX_OUTPUTS];
+    mpt_status s = MPT_OK;
+    int k;
+    if (!data || !outs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: NULL %s",
                          data ? "out" : "data");
-    memset(out, 0, sizeof *out);
+    memset(outs, 0, sizeof *outs * (size_t)n_out);
+    if (n_out != Q->n_out) /* (mpt_model_predict's one tensor) */
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: the model has %d outputs "
+                         "and out is one tensor: mpt_model_predict_outputs gives them all",
+                         Q->n_out);
     batch_size = mpt__batch_size_or_default(batch_size);
     if (batch_size < 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "predict: batch_size %lld must be > 0",
                          (long long)batch_size);
     MPT__CHECK(mpt__check_samples(m, data, "predict"));
     n = mpt_dataset_count(data);
-    MPT__CHECK(mpt_tensor_alloc(m->ctx, out, MPT_FLOAT32, mpt__q_batch_shape(m, n, shape), shape));
+    for (k = 0; s == MPT_OK && k < n_out; k++)
+        s = mpt_tensor_alloc(m->ctx, &outs[k], MPT_FLOAT32, mpt__q_batch_shape(m, k, n, shape),
+                             shape);
     batch_size = MPT__MAX(1, MPT__MIN(batch_size, n));
-    s = mpt__qwork_reuse(m->ctx, m->quantized, batch_size, &w);
+    if (s == MPT_OK) s = mpt__qwork_reuse(m->ctx, m->quantized, batch_size, &w);
     if (s == MPT_OK)
         s = mpt__q_loader_open(m, data, batch_size, "predict", byte_table, &order, &loader);
-    while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
-        s = mpt__q_run(m->ctx, Q, &x, byte_table, (float *)out->data + done * per, w);
-        done += x.shape[0];
+    while (s == MPT_OK && mpt__loader_next(loader, &xs[0], &y)) {
+        mpt__loader_inputs(loader, xs);
+        for (k = 0; k < n_out; k++)
+            ys[k] = (float *)outs[k].data + done * mpt__q_out_count(Q, k);
+        s = mpt__q_run(m->ctx, Q, xs, byte_table, ys, w);
+        done += xs[0].shape[0];
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
-    if (s != MPT_OK) mpt_tensor_free(m->ctx, out);
+    for (k = 0; s != MPT_OK && k < n_out; k++) mpt_tensor_free(m->ctx, &outs[k]);
     return s;
 }
 
@@ -37337,7 +37537,7 @@ static mpt_status mpt__q_tally(mpt_model *m, const float *pred, int64_t b, int64
     mpt__loss_job j;
     double unused = 0;
     int64_t shape[MPT_MAX_RANK + 1];
-    int rank = mpt__q_batch_shape(m, b, shape);
+    int rank = mpt__q_batch_shape(m, 0, b, shape);
     MPT__CHECK(mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, (void *)(uintptr_t)pred));
     MPT__CHECK(mpt__loss_job_checked(m->ctx, &m->compile.loss, &p, y, &unused, NULL, &j));
     memset(&a, 0, sizeof a);
@@ -37364,7 +37564,7 @@ static mpt_status mpt__q_tally(mpt_model *m, const float *pred, int64_t b, int64
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, batch, per = mpt__q_out_count(Q), *order = NULL, classes;
+    int64_t n, batch, per = mpt__q_out_count(Q, 0), *order = NULL, classes;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
@@ -37373,7 +37573,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     float *pred;
     double *record = NULL; /* r2_score's and auc's sums, then the partials'
                               room (MPT__METRIC_PARTS records), or NULL */
-    mpt_tensor x, y;
+    mpt_tensor xs[MPT_MAX_INPUTS], y;
     mpt_status s;
     if (!data || !logs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
@@ -37384,6 +37584,10 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     if (!m->compiled)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first (quantizing a "
                          "compiled model keeps its loss and metrics)");
+    if (Q->n_out > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "evaluate: not for a quantized model of "
+                         "several outputs (%d) yet: mpt_model_predict_outputs gives each "
+                         "output's values", Q->n_out);
     batch = mpt__batch_size_or_default(desc ? desc->batch_size : 0);
     if (batch < 0)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: batch_size %lld must be > 0",
@@ -37398,7 +37602,7 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     {
         int64_t shape[MPT_MAX_RANK + 1];
-        int rank = mpt__q_batch_shape(m, 1, shape);
+        int rank = mpt__q_batch_shape(m, 0, 1, shape);
         classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
     }
     if (s == MPT_OK && ((m->compile.metrics | m->compile.weighted_metrics) & MPT__METRICS_EPOCH)) {
@@ -37408,12 +37612,13 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
     }
     if (s == MPT_OK)
         s = mpt__q_loader_open(m, data, batch, "evaluate", byte_table, &order, &loader);
-    while (s == MPT_OK && mpt__loader_next(loader, &x, &y)) {
+    while (s == MPT_OK && mpt__loader_next(loader, &xs[0], &y)) {
         mpt_tensor weights;
-        s = mpt__q_run(m->ctx, Q, &x, byte_table, pred, w);
+        mpt__loader_inputs(loader, xs);
+        s = mpt__q_run(m->ctx, Q, xs, byte_table, &pred, w);
         mpt__loader_weights(loader, &weights);
         if (s == MPT_OK)
-            s = mpt__q_tally(m, pred, x.shape[0], per, &y, &weights, &st, record,
+            s = mpt__q_tally(m, pred, xs[0].shape[0], per, &y, &weights, &st, record,
                              record ? record + mpt__metric_record_count(classes) : NULL);
     }
     mpt__loader_destroy(loader);
@@ -37469,8 +37674,10 @@ static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size)
             int k;
             mpt__append(buf, size, &used, "  <-");
             for (k = 0; k < L->n_inputs; k++)
-                mpt__append(buf, size, &used, " %s", L->inputs[k] < 0 ? "input"
-                                                                      : Q->ops[L->inputs[k]].name);
+                mpt__append(buf, size, &used, " %s",
+                            L->inputs[k] == -1  ? "input"
+                            : L->inputs[k] < 0 ? Q->in_name[-1 - L->inputs[k]]
+                                               : Q->ops[L->inputs[k]].name);
         }
         mpt__append(buf, size, &used, "\n");
     }
@@ -37478,16 +37685,17 @@ static size_t mpt__quantized_summary(const mpt_model *m, char *buf, size_t size)
     return used;
 }
 
-/* The model's input or output quantization in io_dtype: uint8's zero
-   point is int8's + 128 (the same reals, shifted codes). */
-static mpt_quant_params mpt__q_io_params(const mpt__quantized *Q, int output) {
-    mpt_quant_params p = Q->tensor[output ? Q->out_t : 0];
+/* Tensor t's quantization in io_dtype (an input's or an output's):
+   uint8's zero point is int8's + 128 (the same reals, shifted codes). */
+static mpt_quant_params mpt__q_io_params_of(const mpt__quantized *Q, int t) {
+    mpt_quant_params p = Q->tensor[t];
     if (Q->io_dtype == MPT_UINT8) p.zero_point += 128;
     return p;
 }
 
 MPTDEF mpt_status mpt_model_quantized_info(const mpt_model *m, mpt_quantized_info *out) {
     const mpt__quantized *Q;
+    int k;
     if (out) memset(out, 0, sizeof *out); /* zeros, whatever fails below */
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!out) return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_info: NULL out");
@@ -37496,10 +37704,14 @@ MPTDEF mpt_status mpt_model_quantized_info(const mpt_model *m, mpt_quantized_inf
     Q = m->quantized;
     out->mode = Q->mode;
     out->io_dtype = Q->io_dtype;
-    if (Q->mode == MPT_QUANTIZE_FULL_INTEGER) {
-        out->input = mpt__q_io_params(Q, 0);
-        out->output = mpt__q_io_params(Q, 1);
-    }
+    out->n_inputs = Q->n_in;
+    out->n_outputs = Q->n_out;
+    for (k = 0; Q->mode == MPT_QUANTIZE_FULL_INTEGER && k < Q->n_in; k++)
+        out->inputs[k] = mpt__q_io_params_of(Q, -k);
+    for (k = 0; Q->mode == MPT_QUANTIZE_FULL_INTEGER && k < Q->n_out; k++)
+        out->outputs[k] = mpt__q_io_params_of(Q, Q->outs[k]);
+    out->input = out->inputs[0];
+    out->output = out->outputs[0];
     out->n_layers = Q->n_ops;
     out->size_bytes = Q->size_bytes;
     return MPT_OK;
@@ -37523,7 +37735,7 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     const mpt__quantized *Q;
     int64_t n, k, shape[MPT_MAX_RANK], count;
     mpt__qwork *w = NULL;
-    const void *out = NULL;
+    const void *out = NULL, *outs[MPT_MAX_OUTPUTS];
     mpt_status s;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
     if (!x || !y || !x->data)
@@ -37533,6 +37745,10 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
     if (!m->quantized)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_invoke: the model is not quantized");
     Q = m->quantized;
+    if (Q->n_in > 1 || Q->n_out > 1)
+        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantized_invoke: the model has %d inputs "
+                         "and %d outputs, and invoke takes one of each: predict a dataset of "
+                         "them all (mpt_model_predict_outputs)", Q->n_in, Q->n_out);
     if (x->dtype != (m->desc.input_dtype == MPT_INT32 ? MPT_INT32 : Q->io_dtype)) /* ids */
         return mpt__fail(m->ctx, MPT_ERR_DTYPE, "quantized_invoke: input dtype %s, but the "
                          "model takes %s", mpt_dtype_name(x->dtype),
@@ -37543,18 +37759,20 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
                          "sample...)", x->rank);
     MPT__CHECK(mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, "quantized_invoke"));
     n = x->shape[0];
-    count = n * mpt__q_out_count(Q);
-    MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, n, shape), shape));
+    count = n * mpt__q_out_count(Q, 0);
+    MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, 0, n, shape), shape));
     s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
     if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
-        s = mpt__q_run(m->ctx, Q, x, NULL, (float *)y->data, w);
+        float *ys = (float *)y->data;
+        s = mpt__q_run(m->ctx, Q, x, NULL, &ys, w);
     } else if (s == MPT_OK) {
         /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
         int8_t *xq = (int8_t *)w->act[0]; /* tensor 0's slot (mpt__q_plan) */
         const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
         for (k = 0; k < n * Q->in_count; k++)
             xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
-        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, &out);
+        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, outs);
+        out = outs[0];
         for (k = 0; s == MPT_OK && k < count; k++) {
             int v = ((const int8_t *)out)[k] + shift;
             if (shift) ((uint8_t *)y->data)[k] = (uint8_t)v;
@@ -37582,7 +37800,9 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    (mpt__qat_backward_mask). The last layer's output is the model's, so
    it is quantized in place, its unquantized copy in the point's buffer.
    The model's input has a point too (its gradient, which training never
-   needs, passes unmasked). Kernels are fake-quantized from the masters at
+   needs, passes unmasked), and so does each added input's InputLayer. The
+   declared outputs are quantized in place as the last layer is
+   (mpt__qat_in_place), for their losses. Kernels are fake-quantized from the masters at
    the start of every forward pass into a buffer of QAT's own, which the
    layers read as their compute copy. All of it runs on the CPU backend. */
 
@@ -37867,6 +38087,23 @@ static void mpt__qat_kernel(mpt_model *m, int i) {
     mpt__convert(m->ctx, P->compute_dtype, P->compute, MPT_FLOAT32, w, P->count);
 }
 
+/* Whether layer i's output is quantized in place: the last layer's and
+   each declared output's, which the losses read (readers in a graph read
+   it there too); every other point quantizes into its own buffer. */
+static int mpt__qat_in_place(const mpt_model *m, int i) {
+    int k;
+    if (i == m->n_layers - 1) return 1;
+    for (k = 0; k < m->n_outputs; k++)
+        if (m->output_node[k] == i + 1) return 1;
+    return 0;
+}
+
+/* Input 0's elements of one sample (layer 0 may be an added input's
+   InputLayer). */
+static int64_t mpt__qat_input_count(const mpt_model *m) {
+    return mpt__shape_count(m->desc.input_rank, m->desc.input_shape);
+}
+
 /* mpt__forward_begin's: every kernel quantized, then the input (*x then
    points at its quantized copy). */
 static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype, int64_t batch,
@@ -37875,7 +38112,7 @@ static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype
     int i;
     for (i = 0; i < m->n_layers; i++)
         if (Q->kernel[i]) mpt__qat_kernel(m, i);
-    mpt__qat_point_run(m, &Q->input, dtype, *x, Q->input.out, batch * m->layers[0].in_count,
+    mpt__qat_point_run(m, &Q->input, dtype, *x, Q->input.out, batch * mpt__qat_input_count(m),
                        training);
     if (Q->input.active) *x = Q->input.out;
 }
@@ -37884,19 +38121,19 @@ static void mpt__qat_forward_begin(mpt_model *m, const void **x, mpt_dtype dtype
    copy where it has one (the last layer's is in place). */
 static const void *mpt__qat_output(const mpt_model *m, int i) {
     const mpt__qat_point *P = &m->qat->point[i];
-    return i < m->n_layers - 1 && P->active ? P->out : m->layers[i].y;
+    return !mpt__qat_in_place(m, i) && P->active ? P->out : m->layers[i].y;
 }
 
 /* mpt__forward_finish's, after layer i: its output quantized for the next
-   layer (*next), or in place for the last, whose softmax (left out of
-   the layer's forward) runs here on the quantized logits unless the loss
-   takes the logits. */
+   layer (*next), or in place for an output (mpt__qat_in_place); the last
+   layer's softmax (left out of the layer's forward) runs here on the
+   quantized logits unless the loss takes the logits. */
 static void mpt__qat_forward_end(mpt_model *m, int i, const void **next) {
     mpt__qat *Q = m->qat;
     mpt__layer *L = &m->layers[i];
     mpt__qat_point *P = &Q->point[i];
     int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1];
-    if (i < m->n_layers - 1) {
+    if (!mpt__qat_in_place(m, i)) {
         mpt__qat_point_run(m, P, L->dtype, L->y, P->out, n, m->last_training);
         if (P->active) *next = P->out;
         return;
@@ -37905,7 +38142,7 @@ static void mpt__qat_forward_end(mpt_model *m, int i, const void **next) {
         memcpy(P->out, L->y, (size_t)n * mpt_dtype_size(L->dtype));
         mpt__qat_point_run(m, P, L->dtype, P->out, L->y, n, m->last_training);
     }
-    if (Q->softmax_last && !m->emit_logits) { /* float32: mpt_model_quantize_aware checked */
+    if (i == m->n_layers - 1 && Q->softmax_last && !m->emit_logits) { /* float32: mpt_model_quantize_aware checked */
         mpt_quant_params probabilities = mpt__q_fixed_params(1.0f / 256, -128);
         m->be->activation(m->impl, MPT_ACT_SOFTMAX, (float *)L->y, n / cols, cols);
         mpt__qat_apply(m->ctx, MPT_FLOAT32, L->y, L->y, n, &probabilities, NULL, NULL);
@@ -37923,7 +38160,8 @@ static void mpt__qat_backward_mask(mpt_model *m, int i, void *dy) {
     int last = i == m->n_layers - 1;
     int64_t n = m->last_batch * L->out_count, cols = L->out_shape[L->out_rank - 1], r, k;
     mpt__qat_job j;
-    const void *pre = last ? P->out : L->y;
+    const void *pre = mpt__qat_in_place(m, i) ? P->out : L->y;
+    if (mpt__is_input_layer(L)) return; /* an added input: no gradient */
     if (last && Q->softmax_last && !m->emit_logits) { /* dz = y·(dy − Σ dy·y), in float32 */
         float *g = (float *)dy;
         const float *y = (const float *)L->y;
@@ -37994,6 +38232,13 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
                          "trained yet, so it has no ranges: fit it first (or load a checkpoint "
                          "or weights file that holds them)");
     lo[0] = T->input.min, hi[0] = T->input.max;
+    for (i = 1; i < Q->n_in; i++) { /* added input i: its InputLayer's point */
+        const mpt__qat_point *P = &T->point[m->input_layer[i]];
+        if (!P->seen)
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: input %d ('%s') has no trained "
+                             "range", i, m->layers[m->input_layer[i]].name);
+        lo[-i] = P->min, hi[-i] = P->max;
+    }
     for (i = 0; i < Q->n_ops; i++) {
         const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];
         lo[i + 1] = hi[i + 1] = 0;
@@ -38053,7 +38298,6 @@ static float mpt__qat_decay(const mpt_model *m) { return m->qat ? m->qat->decay 
 
 static mpt_status mpt__qat_check(mpt_model *m, const mpt_qat_desc *d) {
     MPT__CHECK(mpt__refuse_quantized(m, "quantize_aware"));
-    MPT__CHECK(mpt__q_refuse_several(m, "quantize_aware"));
     if (m->qat)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize_aware: the model is quantization-aware "
                          "already");
@@ -38128,7 +38372,7 @@ static mpt_status mpt__qat_plan_op(mpt_model *m, const mpt__qop *op) {
 static mpt_status mpt__qat_plan(mpt_model *m) {
     mpt__qat *T = m->qat;
     mpt__quantized *Q = (mpt__quantized *)mpt__calloc(m->ctx, sizeof *Q);
-    int64_t largest = 0, widest = 0, tensor = m->max_batch * m->layers[0].in_count;
+    int64_t largest = 0, widest = 0, tensor = m->max_batch * mpt__qat_input_count(m);
     int i;
     mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
                                                                           "of memory");
@@ -38149,8 +38393,10 @@ static mpt_status mpt__qat_plan(mpt_model *m) {
                             Q->ops[i].name);
     mpt__quantized_free(m->ctx, Q);
     T->input.kind = MPT__QAT_LEARNED;
+    for (i = 1; i < m->n_inputs; i++) /* each added input, a tensor of its own */
+        T->point[m->input_layer[i]].kind = MPT__QAT_LEARNED;
     T->input.out = s == MPT_OK ? mpt__alloc(m->ctx, sizeof(float) * (size_t)(m->max_batch *
-                                                                            m->layers[0].in_count))
+                                                                            mpt__qat_input_count(m)))
                                : NULL;
     if (s == MPT_OK && !T->input.out) s = MPT_ERR_OUT_OF_MEMORY;
     for (i = 0; s == MPT_OK && i < m->n_layers; i++) {
@@ -38691,6 +38937,17 @@ static mpt_status mpt__export_quantized_check(mpt_model *m, const char *format,
                                         "ATTENTION"};
     const mpt__quantized *Q = m->quantized;
     int i;
+    for (i = 1; i < Q->n_in; i++) /* as mpt__export_io_names_check */
+        if (!strcmp(Q->in_name[i], "input") || (Q->n_out == 1 && !strcmp(Q->in_name[i], "output")))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s '%s': input %d is "
+                             "named '%s', the name the file gives %s: name it otherwise", format,
+                             path, i, Q->in_name[i], Q->in_name[i][0] == 'i' ? "input 0"
+                                                                            : "the output");
+    for (i = 0; Q->n_out > 1 && i < Q->n_out; i++)
+        if (!strcmp(Q->out_name[i], "input"))
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "export to %s '%s': output %d's "
+                             "layer is named 'input', the name the file gives input 0: name it "
+                             "otherwise", format, path, i);
     for (i = 0; i < Q->n_ops; i++) {
         const mpt_quantized_layer *L = &Q->ops[i].info;
         char sh[96];
@@ -40081,16 +40338,15 @@ static int32_t mpt__tfl_q_graph_op(mpt__tfl *g, const mpt_quantized_layer *L, co
     }
     for (k = 0; k < L->n_inputs; k++) { /* the QUANTIZEs first: ops run in order */
         const mpt_quant_params *p = &Q->tensor[L->inputs[k] + 1];
-        const mpt_quantized_layer *from = L->inputs[k] < 0 ? NULL : &Q->ops[L->inputs[k]].info;
         ins[k] = tens[L->inputs[k] + 1];
         if (mpt__tfl_q_type(g) != MPT__TFL_INT8 ||
             (p->scale == L->output.scale && p->zero_point == L->output.zero_point))
             continue;
-        memcpy(shape, from ? from->out_shape : Q->ops[0].info.in_shape, sizeof shape);
         snprintf(what, sizeof what, "input_%d_requantized", k);
         ins[k] = mpt__tfl_quantized_tensor(g, L->name, what, MPT__TFL_INT8,
-                                           from ? from->out_rank : Q->ops[0].info.in_rank, shape,
-                                           &L->output);
+                                           mpt__q_tensor_shape(g->pl->m, Q, L->inputs[k] + 1,
+                                                               shape),
+                                           shape, &L->output);
         mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, tens[L->inputs[k] + 1], 0, 0, 1, ins[k]);
     }
     op = mpt__tfl_op_add(g, MPT__TFL_CONCATENATION, 0, 0, 0, L->n_inputs, y);
@@ -40103,51 +40359,71 @@ static int32_t mpt__tfl_q_graph_op(mpt__tfl *g, const mpt_quantized_layer *L, co
     return y;
 }
 
-/* The whole model: its input tensor into *input, its output returned. */
-static int32_t mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *input) {
-    mpt_quantized_info info;
-    mpt_quantized_layer L;
+/* The quantized model's input t (0, or −k for added input k: named as
+   the float file names it) as the file takes it, io type io, into
+   *input; returns the tensor the operations read (int8 after a QUANTIZE
+   from float32 or uint8 in full integer). */
+static int32_t mpt__tfl_q_input(mpt__tfl *g, const mpt_model *m, int t, int io, int32_t *input) {
+    const mpt__quantized *Q = m->quantized;
+    const mpt_quant_params p = mpt__q_io_params_of(Q, t);
+    const char *name = t ? Q->in_name[-t] : "input";
     int64_t shape[MPT_MAX_RANK - 1];
-    int rank = mpt_model_input_shape(m, shape), i;
-    int io = m->quantized->io_dtype == MPT_UINT8  ? MPT__TFL_UINT8
-             : m->quantized->io_dtype == MPT_INT8 ? MPT__TFL_INT8
-                                                  : MPT__TFL_FLOAT32;
-    int32_t x, y, *tens;
-    mpt_model_quantized_info(m, &info);
-    if (io == MPT__TFL_FLOAT32)
-        *input = mpt__tfl_tensor_add(g, "input", "", io, rank, shape, 1, 0);
-    else
-        *input = mpt__tfl_quantized_tensor(g, "input", "", io, rank, shape, &info.input);
-    x = *input;
-    if (io != MPT__TFL_INT8 && mpt__tfl_q_type(g) == MPT__TFL_INT8) { /* to int8 at the first op's input quantization */
-        mpt_model_quantized_layer(m, 0, &L);
-        x = mpt__tfl_quantized_tensor(g, "input", "int8", MPT__TFL_INT8, rank, shape, &L.input);
-        mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, *input, 0, 0, 1, x);
+    const int rank = mpt__q_tensor_shape(m, Q, t, shape);
+    int32_t x;
+    if (io == MPT__TFL_FLOAT32) *input = mpt__tfl_tensor_add(g, name, "", io, rank, shape, 1, 0);
+    else *input = mpt__tfl_quantized_tensor(g, name, "", io, rank, shape, &p);
+    if (io == MPT__TFL_INT8 || mpt__tfl_q_type(g) != MPT__TFL_INT8) return *input;
+    x = mpt__tfl_quantized_tensor(g, name, "int8", MPT__TFL_INT8, rank, shape, &Q->tensor[t]);
+    mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, *input, 0, 0, 1, x);
+    return x;
+}
+
+/* Output k of the quantized model as the file gives it ("output", or its
+   layer's name where there are several), from x, its operation's tensor:
+   dequantized to float32, or quantized to uint8, in full integer. */
+static int32_t mpt__tfl_q_output_end(mpt__tfl *g, const mpt_model *m, int k, int32_t x, int io) {
+    const mpt__quantized *Q = m->quantized;
+    const mpt_quantized_layer *L = &Q->ops[Q->outs[k] - 1].info; /* an op's (mpt__quantize_build) */
+    const mpt_quant_params p = mpt__q_io_params_of(Q, Q->outs[k]);
+    const char *name = Q->n_out == 1 ? "output" : Q->out_name[k];
+    int32_t y;
+    if (io == MPT__TFL_INT8 || mpt__tfl_q_type(g) == MPT__TFL_FLOAT32) return x;
+    if (io == MPT__TFL_FLOAT32) {
+        y = mpt__tfl_tensor_add(g, name, "", io, L->out_rank, L->out_shape, 1, 0);
+        mpt__tfl_op_add(g, MPT__TFL_DEQUANTIZE, x, 0, 0, 1, y);
+    } else {
+        y = mpt__tfl_quantized_tensor(g, name, "", io, L->out_rank, L->out_shape, &p);
+        mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, x, 0, 0, 1, y);
     }
-    /* each operation's output tensor, [0] the input's: what later ones read */
-    tens = (int32_t *)mpt__alloc(m->ctx, sizeof(int32_t) * (size_t)(info.n_layers + 1));
+    return y;
+}
+
+/* The whole quantized model: its inputs' tensors into input[] (*n_in, the
+   model's order), its outputs' into output[] (*n_out). */
+static void mpt__tfl_quantized_graph(mpt__tfl *g, mpt_model *m, int32_t *input, int *n_in,
+                                     int32_t *output, int *n_out) {
+    const mpt__quantized *Q = m->quantized;
+    int io = Q->io_dtype == MPT_UINT8  ? MPT__TFL_UINT8
+             : Q->io_dtype == MPT_INT8 ? MPT__TFL_INT8
+                                       : MPT__TFL_FLOAT32;
+    mpt_quantized_layer L;
+    int32_t *tens; /* each tensor's (mpt__quantized): what later operations read */
+    int i;
+    *n_in = Q->n_in;
+    *n_out = Q->n_out;
+    tens = (int32_t *)mpt__q_tensors_alloc(m->ctx, Q, sizeof(int32_t));
     if (!tens) {
         g->failed = 1;
-        return x;
+        return;
     }
-    tens[0] = x;
-    for (i = 0; i < info.n_layers; i++) {
+    for (i = 0; i < Q->n_in; i++) tens[-i] = mpt__tfl_q_input(g, m, -i, io, &input[i]);
+    for (i = 0; i < Q->n_ops; i++) {
         mpt_model_quantized_layer(m, i, &L);
         tens[i + 1] = L.op >= MPT_QOP_ADD ? mpt__tfl_q_graph_op(g, &L, tens) /* a graph's */
                                           : mpt__tfl_q_op(g, &L, tens[L.inputs[0] + 1]);
     }
-    x = tens[m->quantized->out_t];
-    mpt__free(m->ctx, tens);
-    if (m->quantized->out_t) mpt_model_quantized_layer(m, m->quantized->out_t - 1, &L);
-    if (io == MPT__TFL_INT8 || mpt__tfl_q_type(g) == MPT__TFL_FLOAT32) return x;
-    if (io == MPT__TFL_FLOAT32) {
-        y = mpt__tfl_tensor_add(g, "output", "", io, L.out_rank, L.out_shape, 1, 0);
-        mpt__tfl_op_add(g, MPT__TFL_DEQUANTIZE, x, 0, 0, 1, y);
-    } else {
-        y = mpt__tfl_quantized_tensor(g, "output", "", io, L.out_rank, L.out_shape, &info.output);
-        mpt__tfl_op_add(g, MPT__TFL_QUANTIZE, x, 0, 0, 1, y);
-    }
-    return y;
+    for (i = 0; i < Q->n_out; i++) output[i] = mpt__tfl_q_output_end(g, m, i, tens[Q->outs[i]], io);
+    mpt__q_tensors_free(m->ctx, Q, tens, sizeof(int32_t));
 }
 
 /* ---- TFLite: serialising the graph -------------------------------------------------- */
@@ -40404,7 +40680,7 @@ static mpt_status mpt__tfl_encode(mpt__export_plan *pl, unsigned char **owned,
     b.ctx = m->ctx;
     mpt__tfl_buffer_add(&g, NULL, 0); /* the empty sentinel */
     if (m->quantized)
-        output[0] = mpt__tfl_quantized_graph(&g, m, &input[0]);
+        mpt__tfl_quantized_graph(&g, m, input, &n_in, output, &n_out);
     else
         mpt__tfl_float_graph(&g, input, &n_in, output, &n_out);
     if (g.failed)
@@ -41694,10 +41970,9 @@ static int mpt__onnx_io_type(const mpt_model *m) {
    the output the value is the last operation's, dequantized at these
    same reals: it quantizes back to its code exactly, with no tie for
    QuantizeLinear's round half to even to break otherwise than mpt.h. */
-static void mpt__onnx_io_codes(mpt__onnx *o, int output) {
-    const mpt_quant_params p = mpt__q_io_params(o->pl->m->quantized, output);
-    const char *end = output ? "output" : "input";
-    char scale[64], zero[64], y[64];
+static void mpt__onnx_io_codes(mpt__onnx *o, int t, const char *end, int output) {
+    const mpt_quant_params p = mpt__q_io_params_of(o->pl->m->quantized, t);
+    char scale[128], zero[128], y[96];
     snprintf(scale, sizeof scale, "%s/io_scale", end);
     snprintf(zero, sizeof zero, "%s/io_zero_point", end);
     snprintf(y, sizeof y, "%s/%s", end, output ? "io_quantized" : "io_dequantized");
@@ -41708,25 +41983,62 @@ static void mpt__onnx_io_codes(mpt__onnx *o, int output) {
     snprintf(o->x, sizeof o->x, "%s", y);
 }
 
-/* The whole model from its input to its output, NHWC, in float32 or, for
-   int8 and uint8 io, in codes at the ends; the output's shape into
-   out_shape. */
-static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
+/* The quantized model's input t (0, or −k for added input k: named as
+   the float file names it) into port *in and into the graph: its codes
+   dequantized (int8 and uint8 io), then quantized and dequantized at
+   its tensor's quantization (full integer). */
+static void mpt__onnx_q_input(mpt__onnx *o, int t, mpt__onnx_port *in, mpt__onnx_value *v) {
+    const mpt_model *m = o->pl->m;
+    const mpt__quantized *Q = m->quantized;
+    const char *name = t ? Q->in_name[-t] : "input";
+    snprintf(in->name, sizeof in->name, "%s", name);
+    in->elem_type = mpt__onnx_io_type(m);
+    in->rank = mpt__q_tensor_shape(m, Q, t, in->shape);
+    snprintf(o->x, sizeof o->x, "%s", name);
+    o->rank = 1 + in->rank;
+    o->nchw = 0;
+    if (in->elem_type != MPT__ONNX_FLOAT) mpt__onnx_io_codes(o, t, name, 0);
+    mpt__onnx_q_requantize(o, name, "quantized", &Q->tensor[t]);
+    mpt__onnx_save(o, v);
+}
+
+/* Output k of the quantized model from its value v into port *out:
+   NHWC, named "output" (or its layer's name where there are several),
+   quantized into codes for int8 and uint8 io. */
+static void mpt__onnx_q_output(mpt__onnx *o, int k, const mpt__onnx_value *v,
+                               mpt__onnx_port *out) {
     const mpt__quantized *Q = o->pl->m->quantized;
-    const int codes = mpt__onnx_io_type(o->pl->m) != MPT__ONNX_FLOAT;
-    const mpt__qop *last = &Q->ops[Q->out_t - 1]; /* quantize made at least one */
-    mpt__onnx_value *values;
+    const mpt__qop *op = &Q->ops[Q->outs[k] - 1]; /* an op's (mpt__quantize_build) */
     mpt__layer named;
+    snprintf(out->name, sizeof out->name, "%s", Q->n_out == 1 ? "output" : Q->out_name[k]);
+    out->elem_type = mpt__onnx_io_type(o->pl->m);
+    out->rank = op->info.out_rank;
+    memcpy(out->shape, op->info.out_shape, sizeof op->info.out_shape);
+    mpt__onnx_load(o, v);
+    memset(&named, 0, sizeof named);
+    snprintf(named.name, sizeof named.name, "%s", op->info.name);
+    mpt__onnx_layout(o, &named, 0);
+    if (out->elem_type != MPT__ONNX_FLOAT)
+        mpt__onnx_io_codes(o, Q->outs[k], Q->n_out == 1 ? "output" : Q->out_name[k], 1);
+    snprintf(out->value, sizeof out->value, "%s", o->x);
+}
+
+/* The whole quantized model from its inputs (in[], *n_in) to its outputs
+   (out[], *n_out), NHWC at both ends, in float32 or, for int8 and uint8
+   io, in codes at the ends. */
+static void mpt__onnx_quantized_graph(mpt__onnx *o, mpt__onnx_port *in, int *n_in,
+                                      mpt__onnx_port *out, int *n_out) {
+    const mpt__quantized *Q = o->pl->m->quantized;
+    mpt__onnx_value *values; /* each tensor's (mpt__quantized): what later ops read */
     int i;
-    if (codes) mpt__onnx_io_codes(o, 0);
-    mpt__onnx_q_requantize(o, "input", "quantized", &Q->ops[0].info.input);
-    /* each operation's value, [0] the input's: what later ones read */
-    values = (mpt__onnx_value *)mpt__alloc(o->pl->m->ctx, sizeof *values * (size_t)(Q->n_ops + 1));
+    *n_in = Q->n_in;
+    *n_out = Q->n_out;
+    values = (mpt__onnx_value *)mpt__q_tensors_alloc(o->pl->m->ctx, Q, sizeof *values);
     if (!values) {
         o->nodes.failed = 1;
-        return 0;
+        return;
     }
-    mpt__onnx_save(o, &values[0]);
+    for (i = 0; i < Q->n_in; i++) mpt__onnx_q_input(o, -i, &in[i], &values[-i]);
     for (i = 0; i < Q->n_ops; i++) {
         const mpt__qop *op = &Q->ops[i];
         if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {
@@ -41737,14 +42049,8 @@ static int mpt__onnx_quantized_graph(mpt__onnx *o, int64_t *out_shape) {
         }
         mpt__onnx_save(o, &values[i + 1]);
     }
-    mpt__onnx_load(o, &values[Q->out_t]);
-    mpt__free(o->pl->m->ctx, values);
-    memset(&named, 0, sizeof named);
-    snprintf(named.name, sizeof named.name, "%s", last->info.name);
-    mpt__onnx_layout(o, &named, 0);
-    if (codes) mpt__onnx_io_codes(o, 1);
-    memcpy(out_shape, last->info.out_shape, sizeof last->info.out_shape);
-    return last->info.out_rank;
+    for (i = 0; i < Q->n_out; i++) mpt__onnx_q_output(o, i, &values[Q->outs[i]], &out[i]);
+    mpt__q_tensors_free(o->pl->m->ctx, Q, values, sizeof *values);
 }
 
 /* The ONNX file (mpt__export_encode_fn). */
@@ -41823,10 +42129,7 @@ static mpt_status mpt__onnx_encode(mpt__export_plan *pl, unsigned char **owned,
     in[0].elem_type = mpt__input_is_ids(m) ? MPT__ONNX_INT32 : mpt__onnx_io_type(m);
     in[0].rank = mpt_model_input_shape(m, in[0].shape);
     if (m->quantized) {
-        snprintf(out[0].name, sizeof out[0].name, "output");
-        out[0].elem_type = mpt__onnx_io_type(m);
-        out[0].rank = mpt__onnx_quantized_graph(&o, out[0].shape);
-        snprintf(out[0].value, sizeof out[0].value, "%s", o.x);
+        mpt__onnx_quantized_graph(&o, in, &n_in, out, &n_out);
     } else {
         mpt__onnx_float_graph(&o, in, &n_in, out, &n_out);
     }

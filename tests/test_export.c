@@ -1369,9 +1369,10 @@ static const char *write_multi_script(char *buf) {
     if (!f) return NULL;
     fputs("import sys, numpy as np\n"
           "fmt, model, n, xin, vin, out = sys.argv[1:7]\n"
+          "dt = sys.argv[7] if len(sys.argv) > 7 else '<f4'  # uint8: the io codes\n"
           "n = int(n)\n"
-          "feeds = {'input': np.fromfile(xin, dtype='<f4').reshape(n, 28, 28, 1),\n"
-          "         'vector': np.fromfile(vin, dtype='<f4').reshape(n, -1)}\n"
+          "feeds = {'input': np.fromfile(xin, dtype=dt).reshape(n, 28, 28, 1),\n"
+          "         'vector': np.fromfile(vin, dtype=dt).reshape(n, -1)}\n"
           "if fmt == 'tflite':\n"
           "    from ai_edge_litert.interpreter import Interpreter\n"
           "    it = Interpreter(model_path=model)\n"
@@ -1466,6 +1467,249 @@ static void test_several_inputs_and_outputs(void) {
     }
     for (k = 0; k < 3; k++) mpt_tensor_free(ctx, &outs[k]);
     mpt_dataset_destroy(data);
+    mpt_model_destroy(m);
+}
+
+/* Runs file (format fmt: "tflite" or "onnx") in its runtime through
+   write_multi_script on the inputs at x_path and v_path (float32, or
+   with dtype "uint8" the io codes): the N_SAMPLES samples' three outputs
+   side by side (codes as floats) into got; 1 when it gave them all. */
+static int multi_run(const char *fmt, const char *file, const char *x_path, const char *v_path,
+                     const char *dtype, float *got) {
+    char script[256], y_path[256], cmd[1600];
+    long n = 0;
+    FILE *f;
+    write_multi_script(script);
+    remove(path_of(y_path, "multi_y.bin"));
+    snprintf(cmd, sizeof cmd, "'%s' %s %s %s %d %s %s %s %s", test_python(), script, fmt, file,
+             N_SAMPLES, x_path, v_path, y_path, dtype);
+    CHECK(system(cmd) == 0, "the runtime failed on %s (%s)", file, cmd);
+    f = fopen(y_path, "rb");
+    if (f) n = (long)fread(got, sizeof(float), N_SAMPLES * MULTI_OUT + 1, f), fclose(f);
+    CHECK(n == N_SAMPLES * MULTI_OUT, "%s gave %ld values, mpt.h %d", file, n,
+          N_SAMPLES * MULTI_OUT);
+    return n == N_SAMPLES * MULTI_OUT;
+}
+
+/* A full-integer file's outputs (got) against mpt.h's (want), in steps of
+   each output's own scale (scales[k]; widths[k] values a sample): within
+   `within` steps on >= 99 % of the values and top-1 of cls the same on
+   every sample, as runtime_matches holds a whole model. */
+static void multi_steps(const char *name, const float *got, const float *want,
+                        const float *scales, const int *widths, double within) {
+    int64_t i, close = 0, top1_same = 0;
+    double worst = 0;
+    int k, c, w;
+    for (i = 0; i < N_SAMPLES; i++) {
+        for (k = 0, w = 0; k < 3; w += widths[k], k++)
+            for (c = 0; c < widths[k]; c++) {
+                const int64_t at = i * MULTI_OUT + w + c;
+                const double d = fabs((double)got[at] - (double)want[at]) / scales[k];
+                close += d <= within;
+                worst = fmax(worst, d);
+            }
+        top1_same += want[i * MULTI_OUT + argmax(got + i * MULTI_OUT, widths[0])] ==
+                     want[i * MULTI_OUT + argmax(want + i * MULTI_OUT, widths[0])];
+    }
+    printf("# %s: within %g steps of mpt.h on %lld of %d values (largest %.3g steps), top-1 "
+           "the same on %lld of %d samples\n", name, within, (long long)close,
+           N_SAMPLES * MULTI_OUT, worst, (long long)top1_same, N_SAMPLES);
+    CHECK(close >= 0.99 * N_SAMPLES * MULTI_OUT, "%s: %lld of %d values within %g steps", name,
+          (long long)close, N_SAMPLES * MULTI_OUT, within);
+    CHECK(top1_same == N_SAMPLES, "%s: top-1 the same on %lld of %d samples", name,
+          (long long)top1_same, N_SAMPLES);
+}
+
+/* A dynamic-range file's outputs (got) against mpt.h's (want): each
+   output's largest difference within tol of its largest magnitude (at
+   least 1; cls holds probabilities, reg and trunk values of several
+   units), top-1 of cls the same on 95 % of the samples. */
+static void multi_relative(const char *name, const float *got, const float *want,
+                           const int *widths, double tol) {
+    int64_t i, top1_same = 0;
+    int k, c, w;
+    for (k = 0, w = 0; k < 3; w += widths[k], k++) {
+        double largest = 1, worst = 0;
+        for (i = 0; i < N_SAMPLES; i++)
+            for (c = 0; c < widths[k]; c++) {
+                const int64_t at = i * MULTI_OUT + w + c;
+                largest = fmax(largest, fabs((double)want[at]));
+                worst = fmax(worst, fabs((double)got[at] - (double)want[at]));
+            }
+        printf("# %s: output %d within %.3g of mpt.h (%.3g of its largest, %.3g)\n", name, k,
+               worst, worst / largest, largest);
+        CHECK(worst <= tol * largest, "%s: output %d differs by %g, %g of its largest %g", name,
+              k, worst, worst / largest, largest);
+    }
+    for (i = 0; i < N_SAMPLES; i++)
+        top1_same += argmax(got + i * MULTI_OUT, widths[0]) ==
+                     argmax(want + i * MULTI_OUT, widths[0]);
+    CHECK(top1_same >= 0.95 * N_SAMPLES, "%s: top-1 the same on %lld of %d samples", name,
+          (long long)top1_same, N_SAMPLES);
+}
+
+/* The same model of two inputs and three outputs quantized in each mode
+   (full integer calibrated on the samples, float32 io): each runtime's
+   outputs, fed by input name and in the model's output order, are the
+   quantized model's predict_outputs as check_quantized_float holds float16
+   and dynamic-range files (float16 within 1e-4 in both; dynamic range in
+   ONNX Runtime within 1e-5, in LiteRT, which quantizes each input row
+   its own way, within DYNAMIC_TFLITE_TOL with top-1 the same on 95 %), and
+   full integer as runtime_matches holds a whole model, in steps of each
+   output's own scale (LiteRT within one, ONNX Runtime within two). */
+static void test_several_inputs_and_outputs_quantized(void) {
+    static float x[N_SAMPLES * SAMPLE], v[N_SAMPLES * MULTI_VEC], want[N_SAMPLES * MULTI_OUT],
+        got[N_SAMPLES * MULTI_OUT + 1];
+    static const char *const fmts[2] = {"tflite", "onnx"};
+    static const char *const modes[3] = {"dynamic_range", "full_integer", "float16"};
+    const int widths[3] = {10, 1, 16};
+    mpt_model *m;
+    mpt_tensor tx, tv, outs[3];
+    const mpt_tensor *inputs[2] = {&tx, &tv};
+    mpt_dataset *data = NULL;
+    char x_path[256], v_path[256], file[256], name[64];
+    int i, k, w, mode;
+    FILE *f;
+    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) return;
+    test_seed(78);
+    m = multi_io_model();
+    CHECK(m != NULL, "model: %s", mpt_context_error(ctx));
+    if (!m) return;
+    randomize(m);
+    for (i = 0; i < N_SAMPLES * SAMPLE; i++) x[i] = (float)test_uniform(0, 1);
+    for (i = 0; i < N_SAMPLES * MULTI_VEC; i++) v[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
+    mpt_tensor_wrap(ctx, &tv, MPT_FLOAT32, 2, (int64_t[]){N_SAMPLES, MULTI_VEC}, v);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = inputs, .input_count = 2},
+                             &data) == MPT_OK, "dataset: %s", mpt_context_error(ctx));
+    f = fopen(path_of(x_path, "multi_x.bin"), "wb");
+    if (f) fwrite(x, sizeof(float), N_SAMPLES * SAMPLE, f), fclose(f);
+    f = fopen(path_of(v_path, "multi_v.bin"), "wb");
+    if (f) fwrite(v, sizeof(float), N_SAMPLES * MULTI_VEC, f), fclose(f);
+    for (mode = 0; data && mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *qm = NULL;
+        mpt_quantized_info info;
+        float scales[3] = {0};
+        memset(outs, 0, sizeof outs);
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = (mpt_quantize_mode)mode,
+                                                         .representative_data = data},
+                                 &qm) == MPT_OK &&
+                  mpt_model_predict_outputs(qm, data, 16, 3, outs) == MPT_OK &&
+                  mpt_model_quantized_info(qm, &info) == MPT_OK,
+              "%s: %s", modes[mode], mpt_context_error(ctx));
+        for (k = 0; k < 3; k++) scales[k] = info.outputs[k].scale;
+        for (i = 0; outs[2].data && i < N_SAMPLES; i++)
+            for (k = 0, w = 0; k < 3; w += widths[k], k++)
+                memcpy(want + i * MULTI_OUT + w, (const float *)outs[k].data + i * widths[k],
+                       sizeof(float) * (size_t)widths[k]);
+        for (k = 0; qm && outs[2].data && k < 2; k++) {
+            snprintf(name, sizeof name, "multi_%s.%s", modes[mode], fmts[k]);
+            CHECK((k ? mpt_model_export_onnx(qm, path_of(file, name), NULL)
+                     : mpt_model_export_tflite(qm, path_of(file, name), NULL)) == MPT_OK,
+                  "export %s: %s", name, mpt_context_error(ctx));
+            if (!multi_run(fmts[k], file, x_path, v_path, "float32", got)) continue;
+            if (mode == MPT_QUANTIZE_FULL_INTEGER)
+                multi_steps(name, got, want, scales, widths, k ? 2.001 : 1.001);
+            else if (mode == MPT_QUANTIZE_FLOAT16)
+                compare(name, got, want, N_SAMPLES * MULTI_OUT, MULTI_OUT, 1e-4, 1);
+            else if (k)
+                compare(name, got, want, N_SAMPLES * MULTI_OUT, MULTI_OUT, 1e-5, 1);
+            else
+                multi_relative(name, got, want, widths, DYNAMIC_TFLITE_TOL);
+        }
+        for (k = 0; k < 3; k++) mpt_tensor_free(ctx, &outs[k]);
+        mpt_model_destroy(qm);
+    }
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(m);
+}
+
+/* Values x (n of them) as the uint8 codes of io parameters p (the int8
+   ones' zero point + 128: mpt_quantized_info), into codes; back to the
+   reals they stand for into x, which the model then quantizes to the
+   same codes. */
+static void multi_codes(float *x, int64_t n, const mpt_quant_params *p, uint8_t *codes) {
+    mpt_quant_params p8 = *p;
+    int64_t i;
+    p8.zero_point -= 128;
+    for (i = 0; i < n; i++) {
+        codes[i] = (uint8_t)(mpt__q_quantize(x[i], &p8) + 128);
+        x[i] = (float)(codes[i] - p->zero_point) * p->scale;
+    }
+}
+
+/* The model of two inputs and three outputs quantized to full integer with
+   uint8 io (TFLite's inference_input_type and inference_output_type):
+   each file takes each input's codes at its own scale and zero point and
+   gives each output's at its own, within one code of mpt.h's (LiteRT) or
+   two (ONNX Runtime) on 99 % of the values, top-1 the same. */
+static void test_several_inputs_and_outputs_uint8_io(void) {
+    static float x[N_SAMPLES * SAMPLE], v[N_SAMPLES * MULTI_VEC], want[N_SAMPLES * MULTI_OUT],
+        got[N_SAMPLES * MULTI_OUT + 1];
+    static uint8_t xc[N_SAMPLES * SAMPLE], vc[N_SAMPLES * MULTI_VEC];
+    static const char *const fmts[2] = {"tflite", "onnx"};
+    const int widths[3] = {10, 1, 16};
+    const float ones[3] = {1, 1, 1};
+    mpt_model *m, *qm = NULL;
+    mpt_tensor tx, tv, outs[3];
+    const mpt_tensor *inputs[2] = {&tx, &tv};
+    mpt_dataset *data = NULL;
+    mpt_quantized_info info;
+    char x_path[256], v_path[256], file[256], name[64];
+    int i, k, w;
+    FILE *f;
+    if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) return;
+    test_seed(79);
+    m = multi_io_model();
+    CHECK(m != NULL, "model: %s", mpt_context_error(ctx));
+    if (!m) return;
+    randomize(m);
+    memset(outs, 0, sizeof outs);
+    for (i = 0; i < N_SAMPLES * SAMPLE; i++) x[i] = (float)test_uniform(0, 1);
+    for (i = 0; i < N_SAMPLES * MULTI_VEC; i++) v[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
+    mpt_tensor_wrap(ctx, &tv, MPT_FLOAT32, 2, (int64_t[]){N_SAMPLES, MULTI_VEC}, v);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = inputs, .input_count = 2,
+                                                      .copy = 1}, &data) == MPT_OK &&
+              mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER,
+                                                         .representative_data = data,
+                                                         .io_dtype = MPT_UINT8}, &qm) == MPT_OK &&
+              mpt_model_quantized_info(qm, &info) == MPT_OK,
+          "quantize: %s", mpt_context_error(ctx));
+    mpt_dataset_destroy(data);
+    data = NULL;
+    if (!qm) goto done;
+    multi_codes(x, N_SAMPLES * SAMPLE, &info.inputs[0], xc);
+    multi_codes(v, N_SAMPLES * MULTI_VEC, &info.inputs[1], vc);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = inputs, .input_count = 2},
+                             &data) == MPT_OK &&
+              mpt_model_predict_outputs(qm, data, 16, 3, outs) == MPT_OK,
+          "predict: %s", mpt_context_error(ctx));
+    for (i = 0; outs[2].data && i < N_SAMPLES; i++) /* each output in its codes */
+        for (k = 0, w = 0; k < 3; w += widths[k], k++) {
+            mpt_quant_params p8 = info.outputs[k];
+            int c;
+            p8.zero_point -= 128;
+            for (c = 0; c < widths[k]; c++)
+                want[i * MULTI_OUT + w + c] = (float)(mpt__q_quantize(
+                    ((const float *)outs[k].data)[i * widths[k] + c], &p8) + 128);
+        }
+    f = fopen(path_of(x_path, "multi_xc.bin"), "wb");
+    if (f) fwrite(xc, 1, sizeof xc, f), fclose(f);
+    f = fopen(path_of(v_path, "multi_vc.bin"), "wb");
+    if (f) fwrite(vc, 1, sizeof vc, f), fclose(f);
+    for (k = 0; outs[2].data && k < 2; k++) {
+        snprintf(name, sizeof name, "multi_uint8_io.%s", fmts[k]);
+        CHECK((k ? mpt_model_export_onnx(qm, path_of(file, name), NULL)
+                 : mpt_model_export_tflite(qm, path_of(file, name), NULL)) == MPT_OK,
+              "export %s: %s", name, mpt_context_error(ctx));
+        if (multi_run(fmts[k], file, x_path, v_path, "uint8", got))
+            multi_steps(name, got, want, ones, widths, k ? 2.001 : 1.001);
+    }
+done:
+    for (k = 0; k < 3; k++) mpt_tensor_free(ctx, &outs[k]);
+    mpt_dataset_destroy(data);
+    mpt_model_destroy(qm);
     mpt_model_destroy(m);
 }
 
@@ -2386,6 +2630,8 @@ int main(void) {
     TEST_RUN(test_tokens_quantized);
     TEST_RUN(test_positions_unbatched);
     TEST_RUN(test_several_inputs_and_outputs);
+    TEST_RUN(test_several_inputs_and_outputs_quantized);
+    TEST_RUN(test_several_inputs_and_outputs_uint8_io);
     TEST_RUN(test_unbuilt_model);
     TEST_RUN(test_quantized_weight_dtype);
     TEST_RUN(test_unwritable_path);

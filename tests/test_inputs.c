@@ -405,7 +405,8 @@ static void test_bad_models(void) {
 
 /* fit, evaluate, predict and forward refuse what does not fit the
    inputs; the dataset refuses x and inputs together and inputs of other
-   counts; quantization refuses several inputs (export takes them). */
+   counts. (Quantization takes several inputs: tests/test_quantize.c,
+   tests/test_qat.c.) */
 static void test_bad_data(void) {
     mpt_model *m = two_input_model(quiet, MPT_POLICY_FLOAT32, NULL);
     static float img[8 * IMG * IMG], vec5[8 * 5], vec[8 * VEC];
@@ -499,14 +500,6 @@ static void test_bad_data(void) {
                           MPT_ERR_INVALID_ARGUMENT, "input 1 is named 'input'", "a clash");
         mpt_model_destroy(clash);
     }
-    {
-        mpt_model *q = NULL;
-        test_expect_error(quiet, mpt_model_quantize(m, NULL, &q), MPT_ERR_UNSUPPORTED,
-                          "quantize: not for a model of several inputs", "quantize");
-        mpt_model_destroy(q);
-    }
-    test_expect_error(quiet, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "quantize_aware: not for a model of several inputs", "quantize_aware");
     mpt_model_destroy(m);
 }
 

@@ -920,18 +920,11 @@ static void test_bad_data(void) {
 /* What does not take a model of several outputs yet says so. */
 static void test_unsupported(void) {
     mpt_model *m = task_model(quiet, MPT_POLICY_FLOAT32, NULL, NULL);
-    mpt_model *r = NULL;
     mpt_tensor t, x;
     float xs[2 * F] = {0};
     int64_t shape[2] = {2, F};
     int32_t ids[4] = {0}; /* the prompt: read if generate did not refuse first */
     CHECK(mpt_model_build(m, 8) == MPT_OK, "build: %s", mpt_context_error(quiet));
-    test_expect_error(quiet, mpt_model_quantize(m, &(mpt_quantize_desc){
-                                                       .mode = MPT_QUANTIZE_DYNAMIC_RANGE},
-                                                &r),
-                      MPT_ERR_UNSUPPORTED, "several outputs", "quantize");
-    test_expect_error(quiet, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
-                      "several outputs", "quantize_aware");
     test_expect_error(quiet, mpt_model_generate(m, ids, 1, &(mpt_generate_desc){
                                                               .max_new_tokens = 1}, ids),
                       MPT_ERR_UNSUPPORTED, "several outputs", "generate");

@@ -3310,7 +3310,7 @@ static void test_forward_as_ops_one_by_one(void) {
                 mpt__quantized *Q = q[dynamic]->quantized;
                 const mpt__qexec ex = dynamic ? MPT__QX_DYNAMIC : MPT__QX_INTEGER;
                 const size_t es = dynamic ? 4 : 1;
-                const int64_t per = mpt__q_out_count(Q) * (int64_t)es;
+                const int64_t per = mpt__q_out_count(Q, 0) * (int64_t)es;
                 mpt__qwork *w = NULL;
                 void *buf[64] = {NULL};
                 int64_t n, k, diff = 0;
@@ -3376,6 +3376,258 @@ static void test_forward_as_ops_one_by_one(void) {
               "Conv2D before them (want %d)", absorbed, adds, 2 * ADDS_AFTER_CONV);
 }
 
+/* ---- several inputs and outputs ------------------------------------------------------ */
+
+enum { MULTI_VEC = 5 };
+static float multi_v[N_SAMPLES * MULTI_VEC];
+
+/* Keras' two-branch model: the image through Conv2D, a BatchNormalization
+   folded into it, ReLU, pooling and Flatten; a vector ("vector") through a
+   Dense; both concatenated into a Dense "trunk", then "cls" (a softmax over
+   CLASSES) and, with two outputs, "reg" (one linear unit) as well. */
+static mpt_model *multi_model(mpt_context *ctx, int outputs, unsigned long long seed) {
+    mpt_model *m = NULL;
+    mpt_node both[2], trunk;
+    CHECK(mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {H, W, C}, .input_rank = 3,
+                                                  .seed = 7}, &m) == MPT_OK, "create");
+    if (!m) return NULL;
+    both[1] = mpt_model_add_input(m, &(mpt_input_desc){.shape = {MULTI_VEC}, .rank = 1,
+                                                       .name = "vector"});
+    both[0] = mpt_conv2d(m, mpt_model_input(m), &(mpt_conv2d_desc){.filters = 4,
+                                                                   .kernel_size = {3, 3}});
+    both[0] = mpt_batch_normalization(m, both[0], NULL);
+    both[0] = mpt_activation_layer(m, both[0], &(mpt_activation_desc){.activation = MPT_ACT_RELU});
+    both[0] = mpt_max_pooling2d(m, both[0], &(mpt_pool2d_desc){.pool_size = {2, 2}});
+    both[0] = mpt_flatten(m, both[0], NULL);
+    both[1] = mpt_dense(m, both[1], &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
+    trunk = mpt_dense(m, mpt_concatenate(m, 2, both, NULL),
+                      &(mpt_dense_desc){.name = "trunk", .units = 16, .activation = MPT_ACT_RELU});
+    mpt_model_add_output(m, mpt_dense(m, trunk, &(mpt_dense_desc){
+                                              .name = "cls", .units = CLASSES,
+                                              .activation = MPT_ACT_SOFTMAX}));
+    if (outputs == 2)
+        mpt_model_add_output(m, mpt_dense(m, trunk, &(mpt_dense_desc){.name = "reg", .units = 1}));
+    CHECK((outputs == 1 ? mpt_model_compile(m, &(mpt_compile_desc){
+                              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                              .metrics = MPT_METRIC_ACCURACY})
+                        : mpt_model_compile(m, &(mpt_compile_desc){
+                              .losses = {{.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY},
+                                         {.type = MPT_LOSS_MEAN_SQUARED_ERROR}}})) == MPT_OK &&
+              mpt_model_build(m, 32) == MPT_OK,
+          "compile and build: %s", mpt_context_error(ctx));
+    randomize(m, seed);
+    round_weights_to_half(ctx, m); /* float16's bound: its arithmetic alone */
+    return m;
+}
+
+/* The samples (sample_x, and multi_v in ±1) as a dataset of both inputs,
+   with sample_y (and, for two outputs, the vector's first value as reg's
+   target). */
+static mpt_dataset *multi_dataset(mpt_context *ctx, int outputs) {
+    static float reg[N_SAMPLES];
+    mpt_tensor tx, tv, ty, tr;
+    const mpt_tensor *inputs[2] = {&tx, &tv}, *labels[2] = {&ty, &tr};
+    mpt_dataset *d = NULL;
+    int i;
+    for (i = 0; i < N_SAMPLES; i++) reg[i] = multi_v[i * MULTI_VEC];
+    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, H, W, C}, sample_x);
+    mpt_tensor_wrap(ctx, &tv, MPT_FLOAT32, 2, (int64_t[]){N_SAMPLES, MULTI_VEC}, multi_v);
+    mpt_tensor_wrap(ctx, &ty, MPT_INT32, 1, (int64_t[]){N_SAMPLES}, sample_y);
+    mpt_tensor_wrap(ctx, &tr, MPT_FLOAT32, 2, (int64_t[]){N_SAMPLES, 1}, reg);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = inputs, .input_count = 2,
+                                                      .labels = labels,
+                                                      .label_count = outputs}, &d) == MPT_OK,
+          "dataset: %s", mpt_context_error(ctx));
+    return d;
+}
+
+/* Each output of q against the float model's (a[k]): the largest
+   difference, relative to the float output's largest magnitude (at
+   least 1), into *worst; the top-1 class of cls differing on *top_off
+   samples. */
+static void multi_compare(const mpt_tensor *a, const mpt_tensor *b, int outputs, double *worst,
+                          int64_t *top_off) {
+    int k;
+    *worst = 0, *top_off = 0;
+    for (k = 0; k < outputs; k++) {
+        const int64_t count = mpt_tensor_count(&a[k]), per = count / N_SAMPLES;
+        double largest = 1, diff = 0;
+        int64_t i, c;
+        CHECK(b[k].data && mpt_tensor_count(&b[k]) == count && b[k].shape[b[k].rank - 1] ==
+                  a[k].shape[a[k].rank - 1],
+              "output %d: not the float model's shape", k);
+        if (!b[k].data || mpt_tensor_count(&b[k]) != count) continue;
+        for (i = 0; i < count; i++) {
+            largest = fmax(largest, fabs(((const float *)a[k].data)[i]));
+            diff = fmax(diff, fabs(((const float *)a[k].data)[i] - ((const float *)b[k].data)[i]));
+        }
+        *worst = fmax(*worst, diff / largest);
+        for (i = 0; k == 0 && i < N_SAMPLES; i++) {
+            const float *pf = (const float *)a[k].data + i * per;
+            const float *pq = (const float *)b[k].data + i * per;
+            int tf = 0, tq = 0;
+            for (c = 0; c < per; c++) {
+                tf = pf[c] > pf[tf] ? (int)c : tf;
+                tq = pq[c] > pq[tq] ? (int)c : tq;
+            }
+            *top_off += tf != tq;
+        }
+    }
+}
+
+/* Full integer: each input quantized over its own range, as calibration
+   with min/max sees it (the image's samples in [0, 1), the vector's in
+   ±1), and each output its own. */
+static void multi_ranges(const mpt_model *q) {
+    mpt_quantized_info info;
+    mpt_quant_params want[2];
+    float lo[2] = {INFINITY, INFINITY}, hi[2] = {-INFINITY, -INFINITY};
+    int64_t i;
+    for (i = 0; i < N_SAMPLES * H * W * C; i++)
+        lo[0] = fminf(lo[0], sample_x[i]), hi[0] = fmaxf(hi[0], sample_x[i]);
+    for (i = 0; i < N_SAMPLES * MULTI_VEC; i++)
+        lo[1] = fminf(lo[1], multi_v[i]), hi[1] = fmaxf(hi[1], multi_v[i]);
+    want[0] = mpt__q_params(lo[0], hi[0]);
+    want[1] = mpt__q_params(lo[1], hi[1]);
+    CHECK(mpt_model_quantized_info(q, &info) == MPT_OK && info.n_inputs == 2 &&
+              info.n_outputs == 2,
+          "info: %d inputs, %d outputs", info.n_inputs, info.n_outputs);
+    for (i = 0; i < 2; i++)
+        CHECK(info.inputs[i].scale == want[i].scale &&
+                  info.inputs[i].zero_point == want[i].zero_point,
+              "input %d: scale %g, zero point %d; its samples' range gives %g, %d", (int)i,
+              (double)info.inputs[i].scale, (int)info.inputs[i].zero_point,
+              (double)want[i].scale, (int)want[i].zero_point);
+    CHECK(info.input.scale == info.inputs[0].scale && info.output.scale == info.outputs[0].scale,
+          "input and output are not input 0's and output 0's");
+    /* cls ends in a softmax, TFLite's fixed 1/256; reg's range is its own */
+    CHECK(info.outputs[0].scale == 1.0f / 256 && info.outputs[0].zero_point == -128 &&
+              info.outputs[1].scale != info.outputs[0].scale,
+          "outputs: (%g, %d) and (%g, %d)", (double)info.outputs[0].scale,
+          (int)info.outputs[0].zero_point, (double)info.outputs[1].scale,
+          (int)info.outputs[1].zero_point);
+}
+
+/* A model of two inputs and two outputs (Keras' keras.Model([img, vec],
+   [cls, reg])) quantized in each mode: predict_outputs gives each output
+   in the model's order, within the bounds test_graph_predict_modes holds
+   graphs to of the float model's (relative to each output's largest
+   magnitude; float16 within 1e-3: the kernel a BatchNormalization folds
+   into is rounded to float16 after the fold, 2^-11 relative each, measured
+   2.2e-4), the same bits one sample at a time as in batches of 40;
+   in full integer each input and output has its own quantization. What
+   takes one input and output says so. */
+static void test_several_inputs_and_outputs(void) {
+    static const double bound[3] = {0.05, 0.1, 1e-3}; /* dynamic, full integer, float16 */
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m;
+    mpt_dataset *d;
+    mpt_tensor a[2], b[2], one[2], t;
+    mpt_logs logs;
+    int mode, k;
+    make_samples(41);
+    for (k = 0; k < N_SAMPLES * MULTI_VEC; k++) multi_v[k] = (float)test_uniform(-1, 1);
+    m = multi_model(ctx, 2, 410);
+    d = multi_dataset(ctx, 2);
+    memset(a, 0, sizeof a);
+    CHECK(m && d && mpt_model_predict_outputs(m, d, 32, 2, a) == MPT_OK, "predict float: %s",
+          mpt_context_error(ctx));
+    for (mode = 0; m && mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+        double worst = 0;
+        int64_t top_off = 0, diff = 0, i;
+        memset(b, 0, sizeof b);
+        memset(one, 0, sizeof one);
+        if (!q) continue;
+        CHECK(mpt_model_input_count(q) == 2 && mpt_model_output_count(q) == 2,
+              "mode %d: %d inputs, %d outputs", mode, mpt_model_input_count(q),
+              mpt_model_output_count(q));
+        CHECK(mpt_model_predict_outputs(q, d, 40, 2, b) == MPT_OK &&
+                  mpt_model_predict_outputs(q, d, 1, 2, one) == MPT_OK,
+              "mode %d: predict: %s", mode, mpt_context_error(ctx));
+        multi_compare(a, b, 2, &worst, &top_off);
+        CHECK(worst <= bound[mode], "mode %d: outputs differ by %g of their largest (bound %g)",
+              mode, worst, bound[mode]);
+        for (k = 0; k < 2 && b[k].data && one[k].data; k++)
+            for (i = 0; i < mpt_tensor_count(&b[k]); i++)
+                diff += ((const float *)b[k].data)[i] != ((const float *)one[k].data)[i];
+        CHECK(diff == 0, "mode %d: %lld outputs differ one sample at a time", mode,
+              (long long)diff);
+        if (mode == MPT_QUANTIZE_FULL_INTEGER) multi_ranges(q);
+        if (getenv("MPT_TEST_VERBOSE"))
+            printf("  mode %d: worst %g, top-1 differs on %lld of %d\n", mode, worst,
+                   (long long)top_off, N_SAMPLES);
+        test_expect_error(ctx, mpt_model_predict(q, d, 8, &t), MPT_ERR_INVALID_ARGUMENT,
+                          "mpt_model_predict_outputs gives them all", "predict of one tensor");
+        test_expect_error(ctx, mpt_model_evaluate(q, d, NULL, &logs), MPT_ERR_UNSUPPORTED,
+                          "evaluate: not for a quantized model of several outputs", "evaluate");
+        test_expect_error(ctx, mpt_model_quantized_invoke(q, &b[0], &t), MPT_ERR_UNSUPPORTED,
+                          "quantized_invoke: the model has 2 inputs", "invoke");
+        {
+            mpt_dataset *d1 = samples_dataset(ctx, N_SAMPLES, sample_x);
+            test_expect_error(ctx, mpt_model_predict_outputs(q, d1, 8, 2, one),
+                              MPT_ERR_INVALID_ARGUMENT, "holds 1 input tensor but the model has "
+                              "2 inputs", "a dataset of one input");
+            mpt_dataset_destroy(d1);
+        }
+        for (k = 0; k < 2; k++) mpt_tensor_free(ctx, &b[k]), mpt_tensor_free(ctx, &one[k]);
+        mpt_model_destroy(q);
+    }
+    /* quantization-aware training takes the model (tests/test_qat.c), but not a
+       softmax ending a Dense other than the last layer */
+    test_expect_error(ctx, mpt_model_quantize_aware(m, NULL), MPT_ERR_UNSUPPORTED,
+                      "Dense 'cls' ends in softmax", "quantize_aware");
+    for (k = 0; k < 2; k++) mpt_tensor_free(ctx, &a[k]);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
+/* The two-input model with one output: evaluate of the quantized model in
+   each mode reads both inputs; its accuracy is the float model's but for
+   the samples whose top-1 changed, its loss within the outputs' bound. */
+static void test_several_inputs_evaluate(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m;
+    mpt_dataset *d;
+    mpt_tensor a, b;
+    mpt_logs lf, lq;
+    int mode, k;
+    memset(&lf, 0, sizeof lf);
+    memset(&lq, 0, sizeof lq);
+    make_samples(42);
+    for (k = 0; k < N_SAMPLES * MULTI_VEC; k++) multi_v[k] = (float)test_uniform(-1, 1);
+    m = multi_model(ctx, 1, 420);
+    d = multi_dataset(ctx, 1);
+    memset(&a, 0, sizeof a);
+    CHECK(m && d && mpt_model_predict(m, d, 32, &a) == MPT_OK &&
+              mpt_model_evaluate(m, d, NULL, &lf) == MPT_OK,
+          "float: %s", mpt_context_error(ctx));
+    for (mode = 0; a.data && mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+        double worst = 0;
+        int64_t top_off = 0;
+        memset(&b, 0, sizeof b);
+        CHECK(q && mpt_model_predict(q, d, 40, &b) == MPT_OK &&
+                  mpt_model_evaluate(q, d, NULL, &lq) == MPT_OK,
+              "mode %d: %s", mode, mpt_context_error(ctx));
+        multi_compare(&a, &b, 1, &worst, &top_off);
+        CHECK(b.data && fabs(mpt_logs_get(&lq, "accuracy") - mpt_logs_get(&lf, "accuracy")) <=
+                            (double)top_off / N_SAMPLES + 1e-9,
+              "mode %d: accuracy %g, float %g, %lld top-1 differ", mode,
+              mpt_logs_get(&lq, "accuracy"), mpt_logs_get(&lf, "accuracy"), (long long)top_off);
+        CHECK(b.data && fabs(mpt_logs_get(&lq, "loss") - mpt_logs_get(&lf, "loss")) <= 0.05,
+              "mode %d: loss %g, float %g", mode, mpt_logs_get(&lq, "loss"),
+              mpt_logs_get(&lf, "loss"));
+        mpt_tensor_free(ctx, &b);
+        mpt_model_destroy(q);
+    }
+    mpt_tensor_free(ctx, &a);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(ctx);
+}
+
 int main(void) {
     TEST_RUN(test_rounding_ties_away_from_zero);
     TEST_RUN(test_batchnorm_folding_float);
@@ -3412,6 +3664,8 @@ int main(void) {
     TEST_RUN(test_graph_ops_within_steps);
     TEST_RUN(test_graph_merge_scalar_reference);
     TEST_RUN(test_graph_predict_modes);
+    TEST_RUN(test_several_inputs_and_outputs);
+    TEST_RUN(test_several_inputs_evaluate);
     TEST_RUN(test_nothing_to_quantize);
     TEST_RUN(test_dense_over_sequence);
     TEST_RUN(test_small_gpt);

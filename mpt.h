@@ -9263,26 +9263,39 @@ static void mpt__ln_forward_row(const mpt__ln_job *j, int64_t r) {
     }
 }
 
+/* The k elements (at most MPT__LN_PIECE) of a row from element `at` on,
+   as both passes of the row's backward read them: dy widened, x̂ and
+   g = dy · γ. The second pass computes them again rather than keeping a
+   row's worth. */
+static void mpt__ln_backward_piece(const mpt__ln_job *j, int64_t at, int64_t c0, int64_t k,
+                                   float mean, float inv_std, float *xhat, float *dy, float *g) {
+    const mpt_layernorm_args *a = j->a;
+    int64_t c;
+    mpt__ln_widen(j, a->x, at + c0, k, xhat);
+    mpt__ln_widen(j, a->dy, at + c0, k, dy);
+    for (c = 0; c < k; c++) {
+        xhat[c] = mpt__ln_xhat(xhat[c], mean, inv_std);
+        g[c] = mpt__fmul_rn(dy[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+    }
+}
+
 /* Row r's dx (when wanted), and its dy and dy · x̂ added to the chunk's
    column sums s (2, D). */
 static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     const mpt_layernorm_args *a = j->a;
     const int64_t D = a->cols, at = r * D;
     const float mean = a->mean[r], inv_std = a->inv_std[r];
-    float xf[MPT__LN_PIECE], dyf[MPT__LN_PIECE], mean_g, mean_gx;
+    float xhat[MPT__LN_PIECE], dyf[MPT__LN_PIECE], g[MPT__LN_PIECE], mean_g, mean_gx;
     double sum_g = 0, sum_gx = 0;
     int64_t c0, c, k;
     for (c0 = 0; c0 < D; c0 += k) {
         k = MPT__MIN(MPT__LN_PIECE, D - c0);
-        mpt__ln_widen(j, a->x, at + c0, k, xf);
-        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
+        mpt__ln_backward_piece(j, at, c0, k, mean, inv_std, xhat, dyf, g);
         for (c = 0; c < k; c++) {
-            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
-            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
-            sum_g += g;
-            sum_gx += (double)g * xhat;
+            sum_g += g[c];
+            sum_gx += (double)g[c] * xhat[c];
             s[c0 + c] += dyf[c];
-            s[D + c0 + c] += (double)dyf[c] * xhat;
+            s[D + c0 + c] += (double)dyf[c] * xhat[c];
         }
     }
     if (!a->dx) return;
@@ -9290,14 +9303,9 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     mean_gx = mpt__ln_row_mean(sum_gx, D);
     for (c0 = 0; c0 < D; c0 += k) {
         k = MPT__MIN(MPT__LN_PIECE, D - c0);
-        mpt__ln_widen(j, a->x, at + c0, k, xf);
-        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
-        for (c = 0; c < k; c++) {
-            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
-            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
-            xf[c] = mpt__ln_dx(g, xhat, mean_g, mean_gx, inv_std);
-        }
-        mpt__ln_narrow(j, a->dx, at + c0, k, xf);
+        mpt__ln_backward_piece(j, at, c0, k, mean, inv_std, xhat, dyf, g);
+        for (c = 0; c < k; c++) g[c] = mpt__ln_dx(g[c], xhat[c], mean_g, mean_gx, inv_std);
+        mpt__ln_narrow(j, a->dx, at + c0, k, g);
     }
 }
 

@@ -5257,6 +5257,17 @@ static mpt_status mpt__check_kernel_desc(mpt_model *m, const mpt__layer_ops *ops
     return MPT_OK;
 }
 
+/* Refuses, in a model whose buffers are on a CUDA device, a layer (option
+   NULL) or one option of it that only the CPU runs. Asked of the model's
+   backend, where its buffers are, rather than the context's: a replica's
+   may be another. */
+static mpt_status mpt__layer_cpu_only(mpt_model *m, const mpt__layer *L, const char *option) {
+    if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                     "%s '%s': %s%snot available on a CUDA device yet (the CPU runs it)",
+                     L->ops->class_name, L->name, option ? option : "", option ? " is " : "");
+}
+
 /* The fields of a descriptor that has only the common ones. */
 static const mpt__field mpt__no_fields[] = {MPT__FIELDS_END};
 
@@ -8109,10 +8120,7 @@ static void mpt__augment_words(const mpt__layer *L, uint64_t seed, const mpt__pa
    CPU. */
 static mpt_status mpt__augment_build(struct mpt_model *m, mpt__layer *L, int64_t saved_per_sample) {
     MPT__CHECK(mpt__expect_image(m, L));
-    if (mpt__model_device(m) != MPT_DEVICE_CPU)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                         "%s '%s': not available on a CUDA device yet (the CPU runs it)",
-                         L->ops->class_name, L->name);
+    MPT__CHECK(mpt__layer_cpu_only(m, L, NULL));
     L->out_rank = 3;
     memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
     MPT__CHECK(mpt__layer_add_saved(m, L, saved_per_sample, 0));
@@ -10110,15 +10118,12 @@ static mpt_status mpt__mha_check_sizes(mpt_model *m, const mpt__layer *L) {
 /* no_flash_attention's saved P: 4·H·Tq·Tk bytes a sample (activations),
    on the CPU backend, whose attention alone reads and writes it; another
    backend's is refused with the field's name. */
-static mpt_status mpt__mha_keep_probs(mpt_model *m, mpt__layer *L, const mpt_backend *be,
-                                      const mpt__mha_sizes *z) {
+static mpt_status mpt__mha_keep_probs(mpt_model *m, mpt__layer *L, const mpt__mha_sizes *z) {
     int64_t scores = 0, bytes = 0;
-    if (strcmp(be->name, "cpu") != 0)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                         "MultiHeadAttention '%s': no_flash_attention (the attention weights "
-                         "kept for backward) is the CPU backend's only; the %s backend's "
-                         "attention computes them again in backward (leave it 0)",
-                         L->name, be->name);
+    MPT__CHECK(mpt__layer_cpu_only(m, L,
+                                   "no_flash_attention (the attention weights kept for "
+                                   "backward; leave it 0: CUDA's attention computes them "
+                                   "again in backward)"));
     if (!mpt__mul_ok(z->T[MPT__MHA_QUERY], z->T[MPT__MHA_KEY], &scores) ||
         !mpt__mul_ok(scores, 4 * L->desc.multi_head_attention.num_heads, &bytes))
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
@@ -10160,7 +10165,7 @@ static mpt_status mpt__mha_build(mpt_model *m, mpt__layer *L) {
     MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.v_rows), 0)); /* V */
     MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.o_rows), 0)); /* O */
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 8)); /* dropout's step */
-    if (d->no_flash_attention) MPT__CHECK(mpt__mha_keep_probs(m, L, be, &z)); /* P */
+    if (d->no_flash_attention) MPT__CHECK(mpt__mha_keep_probs(m, L, &z)); /* P */
     /* the attention's scratch, then forward's float32 product or
        backward's pieces, whichever is larger */
     a = mpt__mha_attention_args(L, m->max_batch, z.T[MPT__MHA_KEY]);

@@ -4466,8 +4466,8 @@ typedef union mpt__layer_desc mpt__layer_desc;
         its functional form mpt_<name>(m, x, desc); @impl-layers: its
         member of mpt__layer_desc, its MPT__LAYER_ kind.
      2. Its @impl-<name> section: its check, build, forward, backward,
-        its table, and its two public entries, one line each
-        (mpt__add_layer and mpt__call_layer with the table). The table
+        its table, and its two public entries (MPT__LAYER_ENTRY_POINTS:
+        mpt__add_layer and mpt__call_layer with the table). The table
         gives every member, in this order (C++ has no designated
         initialisers), an optional one NULL or 0 where it has no answer:
           class_name, default_name  required: Keras' names
@@ -5276,6 +5276,19 @@ static const mpt__field mpt__no_fields[] = {MPT__FIELDS_END};
 static mpt_node mpt__call_layer(mpt_model *m, const mpt__layer_ops *ops, int n,
                                 const mpt_node *inputs, const void *desc);
 
+/* The two public entries of a layer of one input: ADD, mpt_model_add_<name>
+   (the layer appended to a sequential model), and CALL, mpt_<name> (the
+   functional form, applied to node x); both go through the layer's table
+   OPS and take its DESC_TYPE. A layer of several inputs writes its own
+   (the merges, MultiHeadAttention). */
+#define MPT__LAYER_ENTRY_POINTS(add, call, desc_type, ops)                                  \
+    MPTDEF mpt_status add(mpt_model *m, const desc_type *d) {                              \
+        return mpt__add_layer(m, &ops, d);                                                 \
+    }                                                                                      \
+    MPTDEF mpt_node call(mpt_model *m, mpt_node x, const desc_type *d) {                   \
+        return mpt__call_layer(m, &ops, 1, &x, d);                                         \
+    }
+
 /* One sample's shape at a node (layers before it built); returns its rank. */
 static int mpt__node_shape(const mpt_model *m, int node, int64_t *shape) {
     const mpt__layer *L = node > 0 ? &m->layers[node - 1] : NULL;
@@ -5456,13 +5469,7 @@ static const mpt__layer_ops mpt__dense_ops = {
     NULL, mpt__dense_activation, mpt__kernel_macs, NULL, NULL, 0, sizeof(mpt_dense_desc),
     mpt__dense_check, mpt__dense_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
-    return mpt__add_layer(m, &mpt__dense_ops, d);
-}
-
-MPTDEF mpt_node mpt_dense(mpt_model *m, mpt_node x, const mpt_dense_desc *d) {
-    return mpt__call_layer(m, &mpt__dense_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_dense, mpt_dense, mpt_dense_desc, mpt__dense_ops)
 
 /* =============================================================================
    @impl-flatten  Flatten: (B, h, w, c) -> (B, h·w·c), the same memory as vectors
@@ -5491,13 +5498,7 @@ static const mpt__layer_ops mpt__flatten_ops = {
     mpt__flatten_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_flatten_desc), NULL,
     mpt__no_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
-    return mpt__add_layer(m, &mpt__flatten_ops, d);
-}
-
-MPTDEF mpt_node mpt_flatten(mpt_model *m, mpt_node x, const mpt_flatten_desc *d) {
-    return mpt__call_layer(m, &mpt__flatten_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_flatten, mpt_flatten, mpt_flatten_desc, mpt__flatten_ops)
 
 /* =============================================================================
    @impl-activation  Activation: y = act(x) (softmax: over the last axis)
@@ -5576,13 +5577,8 @@ static const mpt__layer_ops mpt__activation_ops = {
     mpt__activation_layer_activation, NULL, NULL, NULL, 0, sizeof(mpt_activation_desc),
     mpt__activation_check, mpt__activation_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
-    return mpt__add_layer(m, &mpt__activation_ops, d);
-}
-
-MPTDEF mpt_node mpt_activation_layer(mpt_model *m, mpt_node x, const mpt_activation_desc *d) {
-    return mpt__call_layer(m, &mpt__activation_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_activation, mpt_activation_layer,
+                        mpt_activation_desc, mpt__activation_ops)
 /* =============================================================================
    @impl-windows  the geometry Conv2D and the pooling layers share
    =============================================================================
@@ -6282,13 +6278,7 @@ static const mpt__layer_ops mpt__conv2d_ops = {
     mpt__conv2d_backward, NULL, mpt__conv2d_activation, mpt__kernel_macs, mpt__conv_pool_plan, NULL,
     0, sizeof(mpt_conv2d_desc), mpt__conv2d_check, mpt__conv2d_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
-    return mpt__add_layer(m, &mpt__conv2d_ops, d);
-}
-
-MPTDEF mpt_node mpt_conv2d(mpt_model *m, mpt_node x, const mpt_conv2d_desc *d) {
-    return mpt__call_layer(m, &mpt__conv2d_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_conv2d, mpt_conv2d, mpt_conv2d_desc, mpt__conv2d_ops)
 
 /* =============================================================================
    @impl-pooling  MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D
@@ -6870,31 +6860,14 @@ static const mpt__layer_ops mpt__global_pool_ops = {
     mpt__global_pool_build, mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL, NULL,
     NULL, NULL, 0, sizeof(mpt_global_pool2d_desc), NULL, mpt__no_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    return mpt__add_layer(m, &mpt__max_pool_ops, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_max_pooling2d, mpt_max_pooling2d,
+                        mpt_pool2d_desc, mpt__max_pool_ops)
 
-MPTDEF mpt_node mpt_max_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *d) {
-    return mpt__call_layer(m, &mpt__max_pool_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_average_pooling2d, mpt_average_pooling2d,
+                        mpt_pool2d_desc, mpt__avg_pool_ops)
 
-MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    return mpt__add_layer(m, &mpt__avg_pool_ops, d);
-}
-
-MPTDEF mpt_node mpt_average_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *d) {
-    return mpt__call_layer(m, &mpt__avg_pool_ops, 1, &x, d);
-}
-
-MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
-                                                         const mpt_global_pool2d_desc *d) {
-    return mpt__add_layer(m, &mpt__global_pool_ops, d);
-}
-
-MPTDEF mpt_node mpt_global_average_pooling2d(mpt_model *m, mpt_node x,
-                                             const mpt_global_pool2d_desc *d) {
-    return mpt__call_layer(m, &mpt__global_pool_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_global_average_pooling2d, mpt_global_average_pooling2d,
+                        mpt_global_pool2d_desc, mpt__global_pool_ops)
 
 /* ---- a Conv2D and the MaxPooling2D after it, as one pass ---------------------
    A CNN's largest tensor is a Conv2D's output, and a MaxPooling2D after
@@ -7118,13 +7091,8 @@ static const mpt__layer_ops mpt__zero_padding2d_ops = {
     mpt__zero_padding2d_forward, mpt__zero_padding2d_backward, NULL, NULL, NULL, NULL, NULL, 0,
     sizeof(mpt_zero_padding2d_desc), mpt__zero_padding2d_check, mpt__zero_padding2d_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *d) {
-    return mpt__add_layer(m, &mpt__zero_padding2d_ops, d);
-}
-
-MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padding2d_desc *d) {
-    return mpt__call_layer(m, &mpt__zero_padding2d_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_zero_padding2d, mpt_zero_padding2d,
+                        mpt_zero_padding2d_desc, mpt__zero_padding2d_ops)
 
 /* =============================================================================
    @impl-batchnorm  BatchNormalization: each channel (the last axis)
@@ -7824,13 +7792,8 @@ static const mpt__layer_ops mpt__bn_ops = {
     mpt__bn_forward, mpt__bn_backward, mpt__bn_commit, NULL, NULL, NULL, mpt__bn_replica_statistics,
     0, sizeof(mpt_batchnorm_desc), mpt__bn_check, mpt__bn_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
-    return mpt__add_layer(m, &mpt__bn_ops, d);
-}
-
-MPTDEF mpt_node mpt_batch_normalization(mpt_model *m, mpt_node x, const mpt_batchnorm_desc *d) {
-    return mpt__call_layer(m, &mpt__bn_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_batch_normalization, mpt_batch_normalization,
+                        mpt_batchnorm_desc, mpt__bn_ops)
 
 /* =============================================================================
    @impl-dropout  Dropout: inverted dropout                  x, y: (B, ...)
@@ -8083,13 +8046,7 @@ static const mpt__layer_ops mpt__dropout_ops = {
     mpt__dropout_backward, NULL, NULL, NULL, NULL, NULL, 1, sizeof(mpt_dropout_desc),
     mpt__dropout_check, mpt__dropout_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
-    return mpt__add_layer(m, &mpt__dropout_ops, d);
-}
-
-MPTDEF mpt_node mpt_dropout(mpt_model *m, mpt_node x, const mpt_dropout_desc *d) {
-    return mpt__call_layer(m, &mpt__dropout_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_dropout, mpt_dropout, mpt_dropout_desc, mpt__dropout_ops)
 
 /* =============================================================================
    @impl-random-augment  RandomFlip, RandomTranslation        x, y: (B, H, W, C)
@@ -8215,13 +8172,8 @@ static const mpt__layer_ops mpt__random_flip_ops = {
     mpt__random_flip_forward, mpt__random_flip_backward, NULL, NULL, NULL, NULL, NULL, 1,
     sizeof(mpt_random_flip_desc), mpt__random_flip_check, mpt__random_flip_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_random_flip(mpt_model *m, const mpt_random_flip_desc *d) {
-    return mpt__add_layer(m, &mpt__random_flip_ops, d);
-}
-
-MPTDEF mpt_node mpt_random_flip(mpt_model *m, mpt_node x, const mpt_random_flip_desc *d) {
-    return mpt__call_layer(m, &mpt__random_flip_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_random_flip, mpt_random_flip,
+                        mpt_random_flip_desc, mpt__random_flip_ops)
 
 /* ---- RandomTranslation ----------------------------------------------------- */
 
@@ -8479,15 +8431,8 @@ static const mpt__layer_ops mpt__random_translation_ops = {
     sizeof(mpt_random_translation_desc), mpt__random_translation_check,
     mpt__random_translation_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_random_translation(mpt_model *m,
-                                                   const mpt_random_translation_desc *d) {
-    return mpt__add_layer(m, &mpt__random_translation_ops, d);
-}
-
-MPTDEF mpt_node mpt_random_translation(mpt_model *m, mpt_node x,
-                                       const mpt_random_translation_desc *d) {
-    return mpt__call_layer(m, &mpt__random_translation_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_random_translation, mpt_random_translation,
+                        mpt_random_translation_desc, mpt__random_translation_ops)
 
 /* =============================================================================
    @impl-merge  Add, Subtract, Multiply, Average, Concatenate: n inputs, one output
@@ -9089,13 +9034,8 @@ static const mpt__layer_ops mpt__embedding_ops = {
     mpt__embedding_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_embedding_desc),
     mpt__embedding_check, mpt__embedding_fields, 1, 1, 1};
 
-MPTDEF mpt_status mpt_model_add_embedding(mpt_model *m, const mpt_embedding_desc *d) {
-    return mpt__add_layer(m, &mpt__embedding_ops, d);
-}
-
-MPTDEF mpt_node mpt_embedding(mpt_model *m, mpt_node x, const mpt_embedding_desc *d) {
-    return mpt__call_layer(m, &mpt__embedding_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_embedding, mpt_embedding,
+                        mpt_embedding_desc, mpt__embedding_ops)
 
 /* ---- PositionEmbedding --------------------------------------------------- */
 
@@ -9169,15 +9109,8 @@ static const mpt__layer_ops mpt__position_embedding_ops = {
     sizeof(mpt_position_embedding_desc), mpt__position_embedding_check,
     mpt__position_embedding_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_position_embedding(mpt_model *m,
-                                                   const mpt_position_embedding_desc *d) {
-    return mpt__add_layer(m, &mpt__position_embedding_ops, d);
-}
-
-MPTDEF mpt_node mpt_position_embedding(mpt_model *m, mpt_node x,
-                                       const mpt_position_embedding_desc *d) {
-    return mpt__call_layer(m, &mpt__position_embedding_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_position_embedding, mpt_position_embedding,
+                        mpt_position_embedding_desc, mpt__position_embedding_ops)
 
 /* =============================================================================
    @impl-layernorm  LayerNormalization: each vector along the last axis
@@ -9734,15 +9667,8 @@ static const mpt__layer_ops mpt__ln_ops = {
     mpt__ln_forward, mpt__ln_backward, NULL, NULL, NULL, NULL, NULL, 0,
     sizeof(mpt_layer_normalization_desc), mpt__ln_check, mpt__ln_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
-                                                    const mpt_layer_normalization_desc *d) {
-    return mpt__add_layer(m, &mpt__ln_ops, d);
-}
-
-MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
-                                        const mpt_layer_normalization_desc *d) {
-    return mpt__call_layer(m, &mpt__ln_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_layer_normalization, mpt_layer_normalization,
+                        mpt_layer_normalization_desc, mpt__ln_ops)
 
 /* =============================================================================
    @impl-attention  MultiHeadAttention: a query sequence attends to a value

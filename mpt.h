@@ -5237,12 +5237,33 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
     return mpt__model_add(m, ops, &ld, ld.common.name, ld.common.dtype);
 }
 
-/* The fields Dense and Conv2D share, as model files keep them. */
-#define MPT__KERNEL_FIELDS(desc)                                                           \
-    MPT__FIELD(desc, activation, MPT__FIELD_ACTIVATION),                                   \
-        MPT__FIELD(desc, no_bias, MPT__FIELD_INT),                                         \
+/* The fields of a layer with a kernel and a bias (Dense, Conv2D,
+   MultiHeadAttention's projections), as model files keep them. */
+#define MPT__WEIGHT_FIELDS(desc)                                                           \
+    MPT__FIELD(desc, no_bias, MPT__FIELD_INT),                                             \
         MPT__FIELD(desc, kernel_initializer, MPT__FIELD_INITIALIZER),                      \
         MPT__FIELD(desc, bias_initializer, MPT__FIELD_INITIALIZER)
+
+/* The fields Dense and Conv2D share: those and the activation they end
+   with. */
+#define MPT__KERNEL_FIELDS(desc)                                                           \
+    MPT__FIELD(desc, activation, MPT__FIELD_ACTIVATION), MPT__WEIGHT_FIELDS(desc)
+
+/* The fields BatchNormalization and LayerNormalization share, as model
+   files keep them. */
+#define MPT__NORMALIZATION_FIELDS(desc)                                                    \
+    MPT__FIELD(desc, epsilon, MPT__FIELD_FLOAT),                                           \
+        MPT__FIELD(desc, no_center, MPT__FIELD_INT),                                       \
+        MPT__FIELD(desc, no_scale, MPT__FIELD_INT)
+
+/* Their epsilon, added to the variance: 0 (the default, 1e-3) or positive
+   and finite. */
+static mpt_status mpt__check_epsilon(mpt_model *m, const mpt__layer_ops *ops, float epsilon) {
+    if (epsilon >= 0 && epsilon < INFINITY) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                     "%s: epsilon %g must be > 0 and finite (0: 1e-3)", ops->class_name,
+                     (double)epsilon);
+}
 
 /* The checks Dense and Conv2D share: their activation and initializers. */
 static mpt_status mpt__check_kernel_desc(mpt_model *m, const mpt__layer_ops *ops,
@@ -5649,6 +5670,13 @@ static mpt_status mpt__expect_window_fits(mpt_model *m, const mpt__layer *L, con
                      L->ops->class_name, L->name, what, (long long)g->kh, (long long)g->kw,
                      mpt_shape_format(s, sizeof s, L->in_rank, L->in_shape));
 }
+
+/* The fields of a window descriptor (its size field named `size`:
+   kernel_size, pool_size), as model files keep them. */
+#define MPT__WINDOW_FIELDS(desc, size)                                                     \
+    MPT__FIELD(desc, size, MPT__FIELD_INT64_PAIR),                                         \
+        MPT__FIELD(desc, strides, MPT__FIELD_INT64_PAIR),                                  \
+        MPT__FIELD(desc, padding, MPT__FIELD_PADDING)
 
 /* Checks what a window descriptor gives: each of size and strides must be
    > 0, or 0 for its default; `size_required` makes 0 an error. */
@@ -6267,9 +6295,7 @@ static mpt_status mpt__conv2d_check(mpt_model *m, const mpt__layer_ops *ops,
 
 static const mpt__field mpt__conv2d_fields[] = {
     MPT__FIELD(mpt_conv2d_desc, filters, MPT__FIELD_INT64),
-    MPT__FIELD(mpt_conv2d_desc, kernel_size, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_conv2d_desc, strides, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_conv2d_desc, padding, MPT__FIELD_PADDING),
+    MPT__WINDOW_FIELDS(mpt_conv2d_desc, kernel_size),
     MPT__KERNEL_FIELDS(mpt_conv2d_desc),
     MPT__FIELDS_END};
 
@@ -6840,9 +6866,7 @@ static mpt_status mpt__pool_check(mpt_model *m, const mpt__layer_ops *ops,
 }
 
 static const mpt__field mpt__pool2d_fields[] = {
-    MPT__FIELD(mpt_pool2d_desc, pool_size, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_pool2d_desc, strides, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_pool2d_desc, padding, MPT__FIELD_PADDING),
+    MPT__WINDOW_FIELDS(mpt_pool2d_desc, pool_size),
     MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__max_pool_ops = {
@@ -7768,22 +7792,15 @@ static int mpt__bn_replica_statistics(const mpt__layer *L, int64_t *count) {
 static mpt_status mpt__bn_check(mpt_model *m, const mpt__layer_ops *ops,
                                 const mpt__layer_desc *desc) {
     const mpt_batchnorm_desc *d = &desc->batchnorm;
-    (void)ops;
     if (!(d->momentum >= 0 && d->momentum <= 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: momentum %g is not in [0, 1]", (double)d->momentum);
-    if (!(d->epsilon >= 0 && d->epsilon < INFINITY))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "BatchNormalization: epsilon %g must be > 0 and finite (0: 1e-3)",
-                         (double)d->epsilon);
-    return MPT_OK;
+    return mpt__check_epsilon(m, ops, d->epsilon);
 }
 
 static const mpt__field mpt__bn_fields[] = {
     MPT__FIELD(mpt_batchnorm_desc, momentum, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_batchnorm_desc, epsilon, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_batchnorm_desc, no_center, MPT__FIELD_INT),
-    MPT__FIELD(mpt_batchnorm_desc, no_scale, MPT__FIELD_INT),
+    MPT__NORMALIZATION_FIELDS(mpt_batchnorm_desc),
     MPT__FIELD(mpt_batchnorm_desc, synchronized, MPT__FIELD_INT),
     MPT__FIELDS_END};
 
@@ -9639,10 +9656,7 @@ static mpt_status mpt__ln_build(mpt_model *m, mpt__layer *L) {
 static mpt_status mpt__ln_check(mpt_model *m, const mpt__layer_ops *ops,
                                 const mpt__layer_desc *desc) {
     const mpt_layer_normalization_desc *d = &desc->layer_normalization;
-    if (!(d->epsilon >= 0 && d->epsilon < INFINITY))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "%s: epsilon %g must be > 0 and finite (0: 1e-3)", ops->class_name,
-                         (double)d->epsilon);
+    MPT__CHECK(mpt__check_epsilon(m, ops, d->epsilon));
     if (!mpt__initializer_valid(d->gamma_initializer) ||
         !mpt__initializer_valid(d->beta_initializer))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: unknown %s initializer %d",
@@ -9655,9 +9669,7 @@ static mpt_status mpt__ln_check(mpt_model *m, const mpt__layer_ops *ops,
 }
 
 static const mpt__field mpt__ln_fields[] = {
-    MPT__FIELD(mpt_layer_normalization_desc, epsilon, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_layer_normalization_desc, no_center, MPT__FIELD_INT),
-    MPT__FIELD(mpt_layer_normalization_desc, no_scale, MPT__FIELD_INT),
+    MPT__NORMALIZATION_FIELDS(mpt_layer_normalization_desc),
     MPT__FIELD(mpt_layer_normalization_desc, gamma_initializer, MPT__FIELD_INITIALIZER),
     MPT__FIELD(mpt_layer_normalization_desc, beta_initializer, MPT__FIELD_INITIALIZER),
     MPT__FIELDS_END};
@@ -10135,9 +10147,7 @@ static const mpt__field mpt__mha_fields[] = {
     MPT__FIELD(mpt_multi_head_attention_desc, output_dim, MPT__FIELD_INT64),
     MPT__FIELD(mpt_multi_head_attention_desc, dropout, MPT__FIELD_FLOAT),
     MPT__FIELD(mpt_multi_head_attention_desc, use_causal_mask, MPT__FIELD_INT),
-    MPT__FIELD(mpt_multi_head_attention_desc, no_bias, MPT__FIELD_INT),
-    MPT__FIELD(mpt_multi_head_attention_desc, kernel_initializer, MPT__FIELD_INITIALIZER),
-    MPT__FIELD(mpt_multi_head_attention_desc, bias_initializer, MPT__FIELD_INITIALIZER),
+    MPT__WEIGHT_FIELDS(mpt_multi_head_attention_desc),
     MPT__FIELD(mpt_multi_head_attention_desc, seed, MPT__FIELD_UINT64),
     MPT__FIELD(mpt_multi_head_attention_desc, no_flash_attention, MPT__FIELD_INT),
     MPT__FIELDS_END};

@@ -270,8 +270,10 @@
                           1/sqrt(var + eps), LayerNormalization's steps
                           (mpt__ln_*), attention's rules
        @impl-layer-helpers  what the layers share: activations' names,
-                          workspace, dz, GEMM, checks, the add every layer's
-                          entry calls, its input nodes
+                          workspace, dz, GEMM, checks, the descriptor fields
+                          several keep, the add every layer's entry calls
+                          (a one-input layer's two entries in one macro),
+                          its input nodes
        @impl-dense        Dense, over the last axis of any rank
        @impl-flatten      Flatten
        @impl-activation   Activation

@@ -5258,6 +5258,37 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
         MPT__FIELD(desc, no_center, MPT__FIELD_INT),                                       \
         MPT__FIELD(desc, no_scale, MPT__FIELD_INT)
 
+/* Their gamma and beta, which scale and shift each of n channels:
+   float32 parameters whatever the compute dtype (as the statistics),
+   gamma first, so that a layer without one (no_scale, no_center) has the
+   other in slot 0. An initializer of MPT_INIT_DEFAULT gives ones and
+   zeros. */
+static mpt_status mpt__gamma_beta_add(mpt_model *m, mpt__layer *L, int64_t n, int no_scale,
+                                      int no_center, mpt_initializer gamma_init,
+                                      mpt_initializer beta_init) {
+    if (!no_scale)
+        MPT__CHECK(mpt__layer_add_param(m, L, "gamma", 1, &n,
+                                        gamma_init ? gamma_init : MPT_INIT_ONES, n, n, 1,
+                                        MPT_FLOAT32));
+    if (!no_center)
+        MPT__CHECK(mpt__layer_add_param(m, L, "beta", 1, &n,
+                                        beta_init ? beta_init : MPT_INIT_ZEROS, n, n, 1,
+                                        MPT_FLOAT32));
+    return MPT_OK;
+}
+static int mpt__gamma_slot(int no_scale) { return no_scale ? -1 : 0; }
+static int mpt__beta_slot(int no_center, int no_scale) { return no_center ? -1 : !no_scale; }
+
+/* Gamma and beta (slots; -1: none) as a pass reads them, and where their
+   gradients go; NULL for the one the layer has not. */
+static void mpt__gamma_beta_of(const mpt__layer *L, int gamma, int beta, const float **g,
+                               const float **b, float **dg, float **db) {
+    *g = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
+    *b = beta >= 0 ? mpt__param_master(L, beta) : NULL;
+    *dg = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
+    *db = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
+}
+
 /* Their epsilon, added to the variance: 0 (the default, 1e-3) or positive
    and finite. */
 static mpt_status mpt__check_epsilon(mpt_model *m, const mpt__layer_ops *ops, float epsilon) {
@@ -7146,9 +7177,11 @@ MPT__LAYER_ENTRY_POINTS(mpt_model_add_zero_padding2d, mpt_zero_padding2d,
 
 /* Parameter slots (Keras order: gamma, beta, moving_mean, moving_variance;
    gamma and beta only when used). */
-static int mpt__bn_gamma_slot(const mpt__layer *L) { return L->desc.batchnorm.no_scale ? -1 : 0; }
+static int mpt__bn_gamma_slot(const mpt__layer *L) {
+    return mpt__gamma_slot(L->desc.batchnorm.no_scale);
+}
 static int mpt__bn_beta_slot(const mpt__layer *L) {
-    return L->desc.batchnorm.no_center ? -1 : !L->desc.batchnorm.no_scale;
+    return mpt__beta_slot(L->desc.batchnorm.no_center, L->desc.batchnorm.no_scale);
 }
 static int mpt__bn_moving_slot(const mpt__layer *L) { /* moving_variance is the next one */
     return !L->desc.batchnorm.no_scale + !L->desc.batchnorm.no_center;
@@ -7692,10 +7725,7 @@ static mpt_batchnorm_args mpt__bn_args(const mpt__layer *L, const mpt__pass *p) 
     a.y = p->y;
     a.dy = p->dy;
     a.dx = p->dx;
-    a.gamma = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
-    a.beta = beta >= 0 ? mpt__param_master(L, beta) : NULL;
-    a.dgamma = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
-    a.dbeta = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
+    mpt__gamma_beta_of(L, gamma, beta, &a.gamma, &a.beta, &a.dgamma, &a.dbeta);
     a.mean = (float *)L->saved[0];
     a.variance = (float *)L->saved[1];
     a.moving_mean = mpt__param_master(L, moving);
@@ -7753,10 +7783,8 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
     L->out_rank = L->in_rank;
     memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
     /* Statistics always in float32: every parameter's compute dtype is. */
-    if (!d->no_scale)
-        MPT__CHECK(mpt__layer_add_param(m, L, "gamma", 1, &C, MPT_INIT_ONES, C, C, 1, MPT_FLOAT32));
-    if (!d->no_center)
-        MPT__CHECK(mpt__layer_add_param(m, L, "beta", 1, &C, MPT_INIT_ZEROS, C, C, 1, MPT_FLOAT32));
+    MPT__CHECK(mpt__gamma_beta_add(m, L, C, d->no_scale, d->no_center, MPT_INIT_DEFAULT,
+                                   MPT_INIT_DEFAULT));
     MPT__CHECK(mpt__layer_add_param(m, L, "moving_mean", 1, &C, MPT_INIT_ZEROS, C, C, 0,
                                     MPT_FLOAT32));
     MPT__CHECK(mpt__layer_add_param(m, L, "moving_variance", 1, &C, MPT_INIT_ONES, C, C, 0,
@@ -9583,10 +9611,11 @@ static int64_t mpt__cpu_layernorm_workspace(void *impl, mpt_dtype dtype, int64_t
 
 /* Parameter slots (Keras order: gamma, beta; each only when used). */
 static int mpt__ln_gamma_slot(const mpt__layer *L) {
-    return L->desc.layer_normalization.no_scale ? -1 : 0;
+    return mpt__gamma_slot(L->desc.layer_normalization.no_scale);
 }
 static int mpt__ln_beta_slot(const mpt__layer *L) {
-    return L->desc.layer_normalization.no_center ? -1 : !L->desc.layer_normalization.no_scale;
+    return mpt__beta_slot(L->desc.layer_normalization.no_center,
+                          L->desc.layer_normalization.no_scale);
 }
 static float mpt__ln_epsilon(const mpt__layer *L) {
     return L->desc.layer_normalization.epsilon != 0 ? L->desc.layer_normalization.epsilon : 1e-3f;
@@ -9605,10 +9634,7 @@ static mpt_layernorm_args mpt__ln_args(const mpt__layer *L, const mpt__pass *p) 
     a.y = p->y;
     a.dy = p->dy;
     a.dx = p->dx;
-    a.gamma = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
-    a.beta = beta >= 0 ? mpt__param_master(L, beta) : NULL;
-    a.dgamma = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
-    a.dbeta = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
+    mpt__gamma_beta_of(L, gamma, beta, &a.gamma, &a.beta, &a.dgamma, &a.dbeta);
     a.mean = (float *)L->saved[0];
     a.inv_std = (float *)L->saved[1];
     a.workspace = p->workspace;
@@ -9632,17 +9658,8 @@ static mpt_status mpt__ln_build(mpt_model *m, mpt__layer *L) {
     const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
     L->out_rank = L->in_rank;
     memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
-    /* float32 parameters whatever the compute dtype, as the statistics */
-    if (!d->no_scale)
-        MPT__CHECK(mpt__layer_add_param(m, L, "gamma", 1, &D,
-                                        d->gamma_initializer ? d->gamma_initializer
-                                                             : MPT_INIT_ONES,
-                                        D, D, 1, MPT_FLOAT32));
-    if (!d->no_center)
-        MPT__CHECK(mpt__layer_add_param(m, L, "beta", 1, &D,
-                                        d->beta_initializer ? d->beta_initializer
-                                                            : MPT_INIT_ZEROS,
-                                        D, D, 1, MPT_FLOAT32));
+    MPT__CHECK(mpt__gamma_beta_add(m, L, D, d->no_scale, d->no_center, d->gamma_initializer,
+                                   d->beta_initializer));
     MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* mean (B · rows) f32    */
     MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* inv_std (B · rows) f32 */
     fixed = mpt__mul_ok(m->max_batch, rows_per_sample, &rows)

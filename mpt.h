@@ -5289,6 +5289,23 @@ static void mpt__gamma_beta_of(const mpt__layer *L, int gamma, int beta, const f
     *db = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
 }
 
+/* Their workspace: what the backend's `workspace` (batchnorm_workspace,
+   layernorm_workspace; impl its state) asks for the largest batch's rows
+   of n values, rows_per_sample a sample; refused, naming the layer, where
+   that count overflows. */
+static mpt_status mpt__rows_workspace(mpt_model *m, mpt__layer *L, void *impl,
+                                      int64_t (*workspace)(void *, mpt_dtype, int64_t, int64_t),
+                                      int64_t rows_per_sample, int64_t n) {
+    int64_t rows = 0, fixed;
+    fixed = mpt__mul_ok(m->max_batch, rows_per_sample, &rows) ? workspace(impl, L->dtype, rows, n)
+                                                              : -1;
+    if (fixed < 0)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
+                         "%s '%s': workspace for a batch of %lld overflows", L->ops->class_name,
+                         L->name, (long long)m->max_batch);
+    return mpt__layer_set_workspace(m, L, 0, fixed);
+}
+
 /* Their epsilon, added to the variance: 0 (the default, 1e-3) or positive
    and finite. */
 static mpt_status mpt__check_epsilon(mpt_model *m, const mpt__layer_ops *ops, float epsilon) {
@@ -7779,7 +7796,9 @@ static void mpt__bn_backward(mpt__layer *L, const mpt__pass *p) {
 
 static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
     const mpt_batchnorm_desc *d = &L->desc.batchnorm;
-    int64_t C = L->in_shape[L->in_rank - 1], fixed = 0;
+    int64_t C = L->in_shape[L->in_rank - 1];
+    void *impl;
+    const mpt_backend *be;
     L->out_rank = L->in_rank;
     memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
     /* Statistics always in float32: every parameter's compute dtype is. */
@@ -7796,19 +7815,8 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
         MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C));
         MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C));
     }
-    {
-        void *impl;
-        const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
-        int64_t rows = 0;
-        fixed = mpt__mul_ok(m->max_batch, L->in_count / C, &rows)
-                    ? be->batchnorm_workspace(impl, L->dtype, rows, C)
-                    : -1;
-        if (fixed < 0)
-            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
-                             "BatchNormalization '%s': workspace for a batch of %lld overflows",
-                             L->name, (long long)m->max_batch);
-    }
-    return mpt__layer_set_workspace(m, L, 0, fixed);
+    be = mpt_context_backend(m->ctx, &impl);
+    return mpt__rows_workspace(m, L, impl, be->batchnorm_workspace, L->in_count / C, C);
 }
 
 /* The batch mean and variance each replica measured (saved[0], saved[1],
@@ -9653,7 +9661,7 @@ static void mpt__ln_backward(mpt__layer *L, const mpt__pass *p) {
 
 static mpt_status mpt__ln_build(mpt_model *m, mpt__layer *L) {
     const mpt_layer_normalization_desc *d = &L->desc.layer_normalization;
-    int64_t D = L->in_shape[L->in_rank - 1], rows_per_sample = L->in_count / D, rows = 0, fixed;
+    int64_t D = L->in_shape[L->in_rank - 1], rows_per_sample = L->in_count / D;
     void *impl;
     const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
     L->out_rank = L->in_rank;
@@ -9662,14 +9670,7 @@ static mpt_status mpt__ln_build(mpt_model *m, mpt__layer *L) {
                                    d->beta_initializer));
     MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* mean (B · rows) f32    */
     MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* inv_std (B · rows) f32 */
-    fixed = mpt__mul_ok(m->max_batch, rows_per_sample, &rows)
-                ? be->layernorm_workspace(impl, L->dtype, rows, D)
-                : -1;
-    if (fixed < 0)
-        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
-                         "LayerNormalization '%s': workspace for a batch of %lld overflows",
-                         L->name, (long long)m->max_batch);
-    return mpt__layer_set_workspace(m, L, 0, fixed);
+    return mpt__rows_workspace(m, L, impl, be->layernorm_workspace, rows_per_sample, D);
 }
 
 static mpt_status mpt__ln_check(mpt_model *m, const mpt__layer_ops *ops,

@@ -271,8 +271,10 @@
                           1/sqrt(var + eps), LayerNormalization's steps
                           (mpt__ln_*), attention's rules
        @impl-layer-helpers  what the layers share: activations' names,
-                          workspace, dz, GEMM, checks, the add every layer's
-                          entry calls, its input nodes
+                          workspace, dz, GEMM, checks, the descriptor fields
+                          several keep, the add every layer's entry calls
+                          (a one-input layer's two entries in one macro),
+                          its input nodes
        @impl-dense        Dense, over the last axis of any rank
        @impl-flatten      Flatten
        @impl-activation   Activation
@@ -4497,8 +4499,8 @@ typedef union mpt__layer_desc mpt__layer_desc;
         its functional form mpt_<name>(m, x, desc); @impl-layers: its
         member of mpt__layer_desc, its MPT__LAYER_ kind.
      2. Its @impl-<name> section: its check, build, forward, backward,
-        its table, and its two public entries, one line each
-        (mpt__add_layer and mpt__call_layer with the table). The table
+        its table, and its two public entries (MPT__LAYER_ENTRY_POINTS:
+        mpt__add_layer and mpt__call_layer with the table). The table
         gives every member, in this order (C++ has no designated
         initialisers), an optional one NULL or 0 where it has no answer:
           class_name, default_name  required: Keras' names
@@ -5268,12 +5270,81 @@ static mpt_status mpt__add_layer(mpt_model *m, const mpt__layer_ops *ops, const 
     return mpt__model_add(m, ops, &ld, ld.common.name, ld.common.dtype);
 }
 
-/* The fields Dense and Conv2D share, as model files keep them. */
-#define MPT__KERNEL_FIELDS(desc)                                                           \
-    MPT__FIELD(desc, activation, MPT__FIELD_ACTIVATION),                                   \
-        MPT__FIELD(desc, no_bias, MPT__FIELD_INT),                                         \
+/* The fields of a layer with a kernel and a bias (Dense, Conv2D,
+   MultiHeadAttention's projections), as model files keep them. */
+#define MPT__WEIGHT_FIELDS(desc)                                                           \
+    MPT__FIELD(desc, no_bias, MPT__FIELD_INT),                                             \
         MPT__FIELD(desc, kernel_initializer, MPT__FIELD_INITIALIZER),                      \
         MPT__FIELD(desc, bias_initializer, MPT__FIELD_INITIALIZER)
+
+/* The fields Dense and Conv2D share: those and the activation they end
+   with. */
+#define MPT__KERNEL_FIELDS(desc)                                                           \
+    MPT__FIELD(desc, activation, MPT__FIELD_ACTIVATION), MPT__WEIGHT_FIELDS(desc)
+
+/* The fields BatchNormalization and LayerNormalization share, as model
+   files keep them. */
+#define MPT__NORMALIZATION_FIELDS(desc)                                                    \
+    MPT__FIELD(desc, epsilon, MPT__FIELD_FLOAT),                                           \
+        MPT__FIELD(desc, no_center, MPT__FIELD_INT),                                       \
+        MPT__FIELD(desc, no_scale, MPT__FIELD_INT)
+
+/* Their gamma and beta, which scale and shift each of n channels:
+   float32 parameters whatever the compute dtype (as the statistics),
+   gamma first, so that a layer without one (no_scale, no_center) has the
+   other in slot 0. An initializer of MPT_INIT_DEFAULT gives ones and
+   zeros. */
+static mpt_status mpt__gamma_beta_add(mpt_model *m, mpt__layer *L, int64_t n, int no_scale,
+                                      int no_center, mpt_initializer gamma_init,
+                                      mpt_initializer beta_init) {
+    if (!no_scale)
+        MPT__CHECK(mpt__layer_add_param(m, L, "gamma", 1, &n,
+                                        gamma_init ? gamma_init : MPT_INIT_ONES, n, n, 1,
+                                        MPT_FLOAT32));
+    if (!no_center)
+        MPT__CHECK(mpt__layer_add_param(m, L, "beta", 1, &n,
+                                        beta_init ? beta_init : MPT_INIT_ZEROS, n, n, 1,
+                                        MPT_FLOAT32));
+    return MPT_OK;
+}
+static int mpt__gamma_slot(int no_scale) { return no_scale ? -1 : 0; }
+static int mpt__beta_slot(int no_center, int no_scale) { return no_center ? -1 : !no_scale; }
+
+/* Gamma and beta (slots; -1: none) as a pass reads them, and where their
+   gradients go; NULL for the one the layer has not. */
+static void mpt__gamma_beta_of(const mpt__layer *L, int gamma, int beta, const float **g,
+                               const float **b, float **dg, float **db) {
+    *g = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
+    *b = beta >= 0 ? mpt__param_master(L, beta) : NULL;
+    *dg = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
+    *db = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
+}
+
+/* Their workspace: what the backend's `workspace` (batchnorm_workspace,
+   layernorm_workspace; impl its state) asks for the largest batch's rows
+   of n values, rows_per_sample a sample; refused, naming the layer, where
+   that count overflows. */
+static mpt_status mpt__rows_workspace(mpt_model *m, mpt__layer *L, void *impl,
+                                      int64_t (*workspace)(void *, mpt_dtype, int64_t, int64_t),
+                                      int64_t rows_per_sample, int64_t n) {
+    int64_t rows = 0, fixed;
+    fixed = mpt__mul_ok(m->max_batch, rows_per_sample, &rows) ? workspace(impl, L->dtype, rows, n)
+                                                              : -1;
+    if (fixed < 0)
+        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
+                         "%s '%s': workspace for a batch of %lld overflows", L->ops->class_name,
+                         L->name, (long long)m->max_batch);
+    return mpt__layer_set_workspace(m, L, 0, fixed);
+}
+
+/* Their epsilon, added to the variance: 0 (the default, 1e-3) or positive
+   and finite. */
+static mpt_status mpt__check_epsilon(mpt_model *m, const mpt__layer_ops *ops, float epsilon) {
+    if (epsilon >= 0 && epsilon < INFINITY) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
+                     "%s: epsilon %g must be > 0 and finite (0: 1e-3)", ops->class_name,
+                     (double)epsilon);
+}
 
 /* The checks Dense and Conv2D share: their activation and initializers. */
 static mpt_status mpt__check_kernel_desc(mpt_model *m, const mpt__layer_ops *ops,
@@ -5288,6 +5359,17 @@ static mpt_status mpt__check_kernel_desc(mpt_model *m, const mpt__layer_ops *ops
     return MPT_OK;
 }
 
+/* Refuses, in a model whose buffers are on a CUDA device, a layer (option
+   NULL) or one option of it that only the CPU runs. Asked of the model's
+   backend, where its buffers are, rather than the context's: a replica's
+   may be another. */
+static mpt_status mpt__layer_cpu_only(mpt_model *m, const mpt__layer *L, const char *option) {
+    if (mpt__model_device(m) == MPT_DEVICE_CPU) return MPT_OK;
+    return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
+                     "%s '%s': %s%snot available on a CUDA device yet (the CPU runs it)",
+                     L->ops->class_name, L->name, option ? option : "", option ? " is " : "");
+}
+
 /* The fields of a descriptor that has only the common ones. */
 static const mpt__field mpt__no_fields[] = {MPT__FIELDS_END};
 
@@ -5295,6 +5377,19 @@ static const mpt__field mpt__no_fields[] = {MPT__FIELDS_END};
    described by desc, applied to n nodes. */
 static mpt_node mpt__call_layer(mpt_model *m, const mpt__layer_ops *ops, int n,
                                 const mpt_node *inputs, const void *desc);
+
+/* The two public entries of a layer of one input: ADD, mpt_model_add_<name>
+   (the layer appended to a sequential model), and CALL, mpt_<name> (the
+   functional form, applied to node x); both go through the layer's table
+   OPS and take its DESC_TYPE. A layer of several inputs writes its own
+   (the merges, MultiHeadAttention). */
+#define MPT__LAYER_ENTRY_POINTS(add, call, desc_type, ops)                                  \
+    MPTDEF mpt_status add(mpt_model *m, const desc_type *d) {                              \
+        return mpt__add_layer(m, &ops, d);                                                 \
+    }                                                                                      \
+    MPTDEF mpt_node call(mpt_model *m, mpt_node x, const desc_type *d) {                   \
+        return mpt__call_layer(m, &ops, 1, &x, d);                                         \
+    }
 
 /* One sample's shape at a node (layers before it built); returns its rank. */
 static int mpt__node_shape(const mpt_model *m, int node, int64_t *shape) {
@@ -5476,13 +5571,7 @@ static const mpt__layer_ops mpt__dense_ops = {
     NULL, mpt__dense_activation, mpt__kernel_macs, NULL, NULL, 0, sizeof(mpt_dense_desc),
     mpt__dense_check, mpt__dense_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_dense(mpt_model *m, const mpt_dense_desc *d) {
-    return mpt__add_layer(m, &mpt__dense_ops, d);
-}
-
-MPTDEF mpt_node mpt_dense(mpt_model *m, mpt_node x, const mpt_dense_desc *d) {
-    return mpt__call_layer(m, &mpt__dense_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_dense, mpt_dense, mpt_dense_desc, mpt__dense_ops)
 
 /* =============================================================================
    @impl-flatten  Flatten: (B, h, w, c) -> (B, h·w·c), the same memory as vectors
@@ -5511,13 +5600,7 @@ static const mpt__layer_ops mpt__flatten_ops = {
     mpt__flatten_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_flatten_desc), NULL,
     mpt__no_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_flatten(mpt_model *m, const mpt_flatten_desc *d) {
-    return mpt__add_layer(m, &mpt__flatten_ops, d);
-}
-
-MPTDEF mpt_node mpt_flatten(mpt_model *m, mpt_node x, const mpt_flatten_desc *d) {
-    return mpt__call_layer(m, &mpt__flatten_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_flatten, mpt_flatten, mpt_flatten_desc, mpt__flatten_ops)
 
 /* =============================================================================
    @impl-activation  Activation: y = act(x) (softmax: over the last axis)
@@ -5596,13 +5679,8 @@ static const mpt__layer_ops mpt__activation_ops = {
     mpt__activation_layer_activation, NULL, NULL, NULL, 0, sizeof(mpt_activation_desc),
     mpt__activation_check, mpt__activation_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_desc *d) {
-    return mpt__add_layer(m, &mpt__activation_ops, d);
-}
-
-MPTDEF mpt_node mpt_activation_layer(mpt_model *m, mpt_node x, const mpt_activation_desc *d) {
-    return mpt__call_layer(m, &mpt__activation_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_activation, mpt_activation_layer,
+                        mpt_activation_desc, mpt__activation_ops)
 /* =============================================================================
    @impl-windows  the geometry Conv2D and the pooling layers share
    =============================================================================
@@ -5673,6 +5751,13 @@ static mpt_status mpt__expect_window_fits(mpt_model *m, const mpt__layer *L, con
                      L->ops->class_name, L->name, what, (long long)g->kh, (long long)g->kw,
                      mpt_shape_format(s, sizeof s, L->in_rank, L->in_shape));
 }
+
+/* The fields of a window descriptor (its size field named `size`:
+   kernel_size, pool_size), as model files keep them. */
+#define MPT__WINDOW_FIELDS(desc, size)                                                     \
+    MPT__FIELD(desc, size, MPT__FIELD_INT64_PAIR),                                         \
+        MPT__FIELD(desc, strides, MPT__FIELD_INT64_PAIR),                                  \
+        MPT__FIELD(desc, padding, MPT__FIELD_PADDING)
 
 /* Checks what a window descriptor gives: each of size and strides must be
    > 0, or 0 for its default; `size_required` makes 0 an error. */
@@ -6291,9 +6376,7 @@ static mpt_status mpt__conv2d_check(mpt_model *m, const mpt__layer_ops *ops,
 
 static const mpt__field mpt__conv2d_fields[] = {
     MPT__FIELD(mpt_conv2d_desc, filters, MPT__FIELD_INT64),
-    MPT__FIELD(mpt_conv2d_desc, kernel_size, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_conv2d_desc, strides, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_conv2d_desc, padding, MPT__FIELD_PADDING),
+    MPT__WINDOW_FIELDS(mpt_conv2d_desc, kernel_size),
     MPT__KERNEL_FIELDS(mpt_conv2d_desc),
     MPT__FIELDS_END};
 
@@ -6302,13 +6385,7 @@ static const mpt__layer_ops mpt__conv2d_ops = {
     mpt__conv2d_backward, NULL, mpt__conv2d_activation, mpt__kernel_macs, mpt__conv_pool_plan, NULL,
     0, sizeof(mpt_conv2d_desc), mpt__conv2d_check, mpt__conv2d_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_conv2d(mpt_model *m, const mpt_conv2d_desc *d) {
-    return mpt__add_layer(m, &mpt__conv2d_ops, d);
-}
-
-MPTDEF mpt_node mpt_conv2d(mpt_model *m, mpt_node x, const mpt_conv2d_desc *d) {
-    return mpt__call_layer(m, &mpt__conv2d_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_conv2d, mpt_conv2d, mpt_conv2d_desc, mpt__conv2d_ops)
 
 /* =============================================================================
    @impl-pooling  MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D
@@ -6870,9 +6947,7 @@ static mpt_status mpt__pool_check(mpt_model *m, const mpt__layer_ops *ops,
 }
 
 static const mpt__field mpt__pool2d_fields[] = {
-    MPT__FIELD(mpt_pool2d_desc, pool_size, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_pool2d_desc, strides, MPT__FIELD_INT64_PAIR),
-    MPT__FIELD(mpt_pool2d_desc, padding, MPT__FIELD_PADDING),
+    MPT__WINDOW_FIELDS(mpt_pool2d_desc, pool_size),
     MPT__FIELDS_END};
 
 static const mpt__layer_ops mpt__max_pool_ops = {
@@ -6890,31 +6965,14 @@ static const mpt__layer_ops mpt__global_pool_ops = {
     mpt__global_pool_build, mpt__global_pool_forward, mpt__global_pool_backward, NULL, NULL, NULL,
     NULL, NULL, 0, sizeof(mpt_global_pool2d_desc), NULL, mpt__no_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_max_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    return mpt__add_layer(m, &mpt__max_pool_ops, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_max_pooling2d, mpt_max_pooling2d,
+                        mpt_pool2d_desc, mpt__max_pool_ops)
 
-MPTDEF mpt_node mpt_max_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *d) {
-    return mpt__call_layer(m, &mpt__max_pool_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_average_pooling2d, mpt_average_pooling2d,
+                        mpt_pool2d_desc, mpt__avg_pool_ops)
 
-MPTDEF mpt_status mpt_model_add_average_pooling2d(mpt_model *m, const mpt_pool2d_desc *d) {
-    return mpt__add_layer(m, &mpt__avg_pool_ops, d);
-}
-
-MPTDEF mpt_node mpt_average_pooling2d(mpt_model *m, mpt_node x, const mpt_pool2d_desc *d) {
-    return mpt__call_layer(m, &mpt__avg_pool_ops, 1, &x, d);
-}
-
-MPTDEF mpt_status mpt_model_add_global_average_pooling2d(mpt_model *m,
-                                                         const mpt_global_pool2d_desc *d) {
-    return mpt__add_layer(m, &mpt__global_pool_ops, d);
-}
-
-MPTDEF mpt_node mpt_global_average_pooling2d(mpt_model *m, mpt_node x,
-                                             const mpt_global_pool2d_desc *d) {
-    return mpt__call_layer(m, &mpt__global_pool_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_global_average_pooling2d, mpt_global_average_pooling2d,
+                        mpt_global_pool2d_desc, mpt__global_pool_ops)
 
 /* ---- a Conv2D and the MaxPooling2D after it, as one pass ---------------------
    A CNN's largest tensor is a Conv2D's output, and a MaxPooling2D after
@@ -7138,13 +7196,8 @@ static const mpt__layer_ops mpt__zero_padding2d_ops = {
     mpt__zero_padding2d_forward, mpt__zero_padding2d_backward, NULL, NULL, NULL, NULL, NULL, 0,
     sizeof(mpt_zero_padding2d_desc), mpt__zero_padding2d_check, mpt__zero_padding2d_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_zero_padding2d(mpt_model *m, const mpt_zero_padding2d_desc *d) {
-    return mpt__add_layer(m, &mpt__zero_padding2d_ops, d);
-}
-
-MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padding2d_desc *d) {
-    return mpt__call_layer(m, &mpt__zero_padding2d_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_zero_padding2d, mpt_zero_padding2d,
+                        mpt_zero_padding2d_desc, mpt__zero_padding2d_ops)
 
 /* =============================================================================
    @impl-batchnorm  BatchNormalization: each channel (the last axis)
@@ -7172,9 +7225,11 @@ MPTDEF mpt_node mpt_zero_padding2d(mpt_model *m, mpt_node x, const mpt_zero_padd
 
 /* Parameter slots (Keras order: gamma, beta, moving_mean, moving_variance;
    gamma and beta only when used). */
-static int mpt__bn_gamma_slot(const mpt__layer *L) { return L->desc.batchnorm.no_scale ? -1 : 0; }
+static int mpt__bn_gamma_slot(const mpt__layer *L) {
+    return mpt__gamma_slot(L->desc.batchnorm.no_scale);
+}
 static int mpt__bn_beta_slot(const mpt__layer *L) {
-    return L->desc.batchnorm.no_center ? -1 : !L->desc.batchnorm.no_scale;
+    return mpt__beta_slot(L->desc.batchnorm.no_center, L->desc.batchnorm.no_scale);
 }
 static int mpt__bn_moving_slot(const mpt__layer *L) { /* moving_variance is the next one */
     return !L->desc.batchnorm.no_scale + !L->desc.batchnorm.no_center;
@@ -7718,10 +7773,7 @@ static mpt_batchnorm_args mpt__bn_args(const mpt__layer *L, const mpt__pass *p) 
     a.y = p->y;
     a.dy = p->dy;
     a.dx = p->dx;
-    a.gamma = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
-    a.beta = beta >= 0 ? mpt__param_master(L, beta) : NULL;
-    a.dgamma = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
-    a.dbeta = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
+    mpt__gamma_beta_of(L, gamma, beta, &a.gamma, &a.beta, &a.dgamma, &a.dbeta);
     a.mean = (float *)L->saved[0];
     a.variance = (float *)L->saved[1];
     a.moving_mean = mpt__param_master(L, moving);
@@ -7775,14 +7827,14 @@ static void mpt__bn_backward(mpt__layer *L, const mpt__pass *p) {
 
 static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
     const mpt_batchnorm_desc *d = &L->desc.batchnorm;
-    int64_t C = L->in_shape[L->in_rank - 1], fixed = 0;
+    int64_t C = L->in_shape[L->in_rank - 1];
+    void *impl;
+    const mpt_backend *be;
     L->out_rank = L->in_rank;
     memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
     /* Statistics always in float32: every parameter's compute dtype is. */
-    if (!d->no_scale)
-        MPT__CHECK(mpt__layer_add_param(m, L, "gamma", 1, &C, MPT_INIT_ONES, C, C, 1, MPT_FLOAT32));
-    if (!d->no_center)
-        MPT__CHECK(mpt__layer_add_param(m, L, "beta", 1, &C, MPT_INIT_ZEROS, C, C, 1, MPT_FLOAT32));
+    MPT__CHECK(mpt__gamma_beta_add(m, L, C, d->no_scale, d->no_center, MPT_INIT_DEFAULT,
+                                   MPT_INIT_DEFAULT));
     MPT__CHECK(mpt__layer_add_param(m, L, "moving_mean", 1, &C, MPT_INIT_ZEROS, C, C, 0,
                                     MPT_FLOAT32));
     MPT__CHECK(mpt__layer_add_param(m, L, "moving_variance", 1, &C, MPT_INIT_ONES, C, C, 0,
@@ -7794,19 +7846,8 @@ static mpt_status mpt__bn_build(mpt_model *m, mpt__layer *L) {
         MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C));
         MPT__CHECK(mpt__layer_add_saved(m, L, 0, 4 * C));
     }
-    {
-        void *impl;
-        const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
-        int64_t rows = 0;
-        fixed = mpt__mul_ok(m->max_batch, L->in_count / C, &rows)
-                    ? be->batchnorm_workspace(impl, L->dtype, rows, C)
-                    : -1;
-        if (fixed < 0)
-            return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
-                             "BatchNormalization '%s': workspace for a batch of %lld overflows",
-                             L->name, (long long)m->max_batch);
-    }
-    return mpt__layer_set_workspace(m, L, 0, fixed);
+    be = mpt_context_backend(m->ctx, &impl);
+    return mpt__rows_workspace(m, L, impl, be->batchnorm_workspace, L->in_count / C, C);
 }
 
 /* The batch mean and variance each replica measured (saved[0], saved[1],
@@ -7820,22 +7861,15 @@ static int mpt__bn_replica_statistics(const mpt__layer *L, int64_t *count) {
 static mpt_status mpt__bn_check(mpt_model *m, const mpt__layer_ops *ops,
                                 const mpt__layer_desc *desc) {
     const mpt_batchnorm_desc *d = &desc->batchnorm;
-    (void)ops;
     if (!(d->momentum >= 0 && d->momentum <= 1))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
                          "BatchNormalization: momentum %g is not in [0, 1]", (double)d->momentum);
-    if (!(d->epsilon >= 0 && d->epsilon < INFINITY))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "BatchNormalization: epsilon %g must be > 0 and finite (0: 1e-3)",
-                         (double)d->epsilon);
-    return MPT_OK;
+    return mpt__check_epsilon(m, ops, d->epsilon);
 }
 
 static const mpt__field mpt__bn_fields[] = {
     MPT__FIELD(mpt_batchnorm_desc, momentum, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_batchnorm_desc, epsilon, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_batchnorm_desc, no_center, MPT__FIELD_INT),
-    MPT__FIELD(mpt_batchnorm_desc, no_scale, MPT__FIELD_INT),
+    MPT__NORMALIZATION_FIELDS(mpt_batchnorm_desc),
     MPT__FIELD(mpt_batchnorm_desc, synchronized, MPT__FIELD_INT),
     MPT__FIELDS_END};
 
@@ -7844,13 +7878,8 @@ static const mpt__layer_ops mpt__bn_ops = {
     mpt__bn_forward, mpt__bn_backward, mpt__bn_commit, NULL, NULL, NULL, mpt__bn_replica_statistics,
     0, sizeof(mpt_batchnorm_desc), mpt__bn_check, mpt__bn_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_batch_normalization(mpt_model *m, const mpt_batchnorm_desc *d) {
-    return mpt__add_layer(m, &mpt__bn_ops, d);
-}
-
-MPTDEF mpt_node mpt_batch_normalization(mpt_model *m, mpt_node x, const mpt_batchnorm_desc *d) {
-    return mpt__call_layer(m, &mpt__bn_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_batch_normalization, mpt_batch_normalization,
+                        mpt_batchnorm_desc, mpt__bn_ops)
 
 /* =============================================================================
    @impl-dropout  Dropout: inverted dropout                  x, y: (B, ...)
@@ -8103,13 +8132,7 @@ static const mpt__layer_ops mpt__dropout_ops = {
     mpt__dropout_backward, NULL, NULL, NULL, NULL, NULL, 1, sizeof(mpt_dropout_desc),
     mpt__dropout_check, mpt__dropout_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_dropout(mpt_model *m, const mpt_dropout_desc *d) {
-    return mpt__add_layer(m, &mpt__dropout_ops, d);
-}
-
-MPTDEF mpt_node mpt_dropout(mpt_model *m, mpt_node x, const mpt_dropout_desc *d) {
-    return mpt__call_layer(m, &mpt__dropout_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_dropout, mpt_dropout, mpt_dropout_desc, mpt__dropout_ops)
 
 /* =============================================================================
    @impl-random-augment  RandomFlip, RandomTranslation        x, y: (B, H, W, C)
@@ -8140,10 +8163,7 @@ static void mpt__augment_words(const mpt__layer *L, uint64_t seed, const mpt__pa
    CPU. */
 static mpt_status mpt__augment_build(struct mpt_model *m, mpt__layer *L, int64_t saved_per_sample) {
     MPT__CHECK(mpt__expect_image(m, L));
-    if (mpt__model_device(m) != MPT_DEVICE_CPU)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                         "%s '%s': not available on a CUDA device yet (the CPU runs it)",
-                         L->ops->class_name, L->name);
+    MPT__CHECK(mpt__layer_cpu_only(m, L, NULL));
     L->out_rank = 3;
     memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
     MPT__CHECK(mpt__layer_add_saved(m, L, saved_per_sample, 0));
@@ -8238,13 +8258,8 @@ static const mpt__layer_ops mpt__random_flip_ops = {
     mpt__random_flip_forward, mpt__random_flip_backward, NULL, NULL, NULL, NULL, NULL, 1,
     sizeof(mpt_random_flip_desc), mpt__random_flip_check, mpt__random_flip_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_random_flip(mpt_model *m, const mpt_random_flip_desc *d) {
-    return mpt__add_layer(m, &mpt__random_flip_ops, d);
-}
-
-MPTDEF mpt_node mpt_random_flip(mpt_model *m, mpt_node x, const mpt_random_flip_desc *d) {
-    return mpt__call_layer(m, &mpt__random_flip_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_random_flip, mpt_random_flip,
+                        mpt_random_flip_desc, mpt__random_flip_ops)
 
 /* ---- RandomTranslation ----------------------------------------------------- */
 
@@ -8502,15 +8517,8 @@ static const mpt__layer_ops mpt__random_translation_ops = {
     sizeof(mpt_random_translation_desc), mpt__random_translation_check,
     mpt__random_translation_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_random_translation(mpt_model *m,
-                                                   const mpt_random_translation_desc *d) {
-    return mpt__add_layer(m, &mpt__random_translation_ops, d);
-}
-
-MPTDEF mpt_node mpt_random_translation(mpt_model *m, mpt_node x,
-                                       const mpt_random_translation_desc *d) {
-    return mpt__call_layer(m, &mpt__random_translation_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_random_translation, mpt_random_translation,
+                        mpt_random_translation_desc, mpt__random_translation_ops)
 
 /* =============================================================================
    @impl-merge  Add, Subtract, Multiply, Average, Concatenate: n inputs, one output
@@ -9112,13 +9120,8 @@ static const mpt__layer_ops mpt__embedding_ops = {
     mpt__embedding_backward, NULL, NULL, NULL, NULL, NULL, 0, sizeof(mpt_embedding_desc),
     mpt__embedding_check, mpt__embedding_fields, 1, 1, 1};
 
-MPTDEF mpt_status mpt_model_add_embedding(mpt_model *m, const mpt_embedding_desc *d) {
-    return mpt__add_layer(m, &mpt__embedding_ops, d);
-}
-
-MPTDEF mpt_node mpt_embedding(mpt_model *m, mpt_node x, const mpt_embedding_desc *d) {
-    return mpt__call_layer(m, &mpt__embedding_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_embedding, mpt_embedding,
+                        mpt_embedding_desc, mpt__embedding_ops)
 
 /* ---- PositionEmbedding --------------------------------------------------- */
 
@@ -9192,15 +9195,8 @@ static const mpt__layer_ops mpt__position_embedding_ops = {
     sizeof(mpt_position_embedding_desc), mpt__position_embedding_check,
     mpt__position_embedding_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_position_embedding(mpt_model *m,
-                                                   const mpt_position_embedding_desc *d) {
-    return mpt__add_layer(m, &mpt__position_embedding_ops, d);
-}
-
-MPTDEF mpt_node mpt_position_embedding(mpt_model *m, mpt_node x,
-                                       const mpt_position_embedding_desc *d) {
-    return mpt__call_layer(m, &mpt__position_embedding_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_position_embedding, mpt_position_embedding,
+                        mpt_position_embedding_desc, mpt__position_embedding_ops)
 
 /* =============================================================================
    @impl-layernorm  LayerNormalization: each vector along the last axis
@@ -9294,26 +9290,39 @@ static void mpt__ln_forward_row(const mpt__ln_job *j, int64_t r) {
     }
 }
 
+/* The k elements (at most MPT__LN_PIECE) of a row from element `at` on,
+   as both passes of the row's backward read them: dy widened, x̂ and
+   g = dy · γ. The second pass computes them again rather than keeping a
+   row's worth. */
+static void mpt__ln_backward_piece(const mpt__ln_job *j, int64_t at, int64_t c0, int64_t k,
+                                   float mean, float inv_std, float *xhat, float *dy, float *g) {
+    const mpt_layernorm_args *a = j->a;
+    int64_t c;
+    mpt__ln_widen(j, a->x, at + c0, k, xhat);
+    mpt__ln_widen(j, a->dy, at + c0, k, dy);
+    for (c = 0; c < k; c++) {
+        xhat[c] = mpt__ln_xhat(xhat[c], mean, inv_std);
+        g[c] = mpt__fmul_rn(dy[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
+    }
+}
+
 /* Row r's dx (when wanted), and its dy and dy · x̂ added to the chunk's
    column sums s (2, D). */
 static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     const mpt_layernorm_args *a = j->a;
     const int64_t D = a->cols, at = r * D;
     const float mean = a->mean[r], inv_std = a->inv_std[r];
-    float xf[MPT__LN_PIECE], dyf[MPT__LN_PIECE], mean_g, mean_gx;
+    float xhat[MPT__LN_PIECE], dyf[MPT__LN_PIECE], g[MPT__LN_PIECE], mean_g, mean_gx;
     double sum_g = 0, sum_gx = 0;
     int64_t c0, c, k;
     for (c0 = 0; c0 < D; c0 += k) {
         k = MPT__MIN(MPT__LN_PIECE, D - c0);
-        mpt__ln_widen(j, a->x, at + c0, k, xf);
-        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
+        mpt__ln_backward_piece(j, at, c0, k, mean, inv_std, xhat, dyf, g);
         for (c = 0; c < k; c++) {
-            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
-            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
-            sum_g += g;
-            sum_gx += (double)g * xhat;
+            sum_g += g[c];
+            sum_gx += (double)g[c] * xhat[c];
             s[c0 + c] += dyf[c];
-            s[D + c0 + c] += (double)dyf[c] * xhat;
+            s[D + c0 + c] += (double)dyf[c] * xhat[c];
         }
     }
     if (!a->dx) return;
@@ -9321,14 +9330,9 @@ static void mpt__ln_backward_row(const mpt__ln_job *j, int64_t r, double *s) {
     mean_gx = mpt__ln_row_mean(sum_gx, D);
     for (c0 = 0; c0 < D; c0 += k) {
         k = MPT__MIN(MPT__LN_PIECE, D - c0);
-        mpt__ln_widen(j, a->x, at + c0, k, xf);
-        mpt__ln_widen(j, a->dy, at + c0, k, dyf);
-        for (c = 0; c < k; c++) {
-            float xhat = mpt__ln_xhat(xf[c], mean, inv_std);
-            float g = mpt__fmul_rn(dyf[c], a->gamma ? a->gamma[c0 + c] : 1.0f);
-            xf[c] = mpt__ln_dx(g, xhat, mean_g, mean_gx, inv_std);
-        }
-        mpt__ln_narrow(j, a->dx, at + c0, k, xf);
+        mpt__ln_backward_piece(j, at, c0, k, mean, inv_std, xhat, dyf, g);
+        for (c = 0; c < k; c++) g[c] = mpt__ln_dx(g[c], xhat[c], mean_g, mean_gx, inv_std);
+        mpt__ln_narrow(j, a->dx, at + c0, k, g);
     }
 }
 
@@ -9646,10 +9650,11 @@ static int64_t mpt__cpu_layernorm_workspace(void *impl, mpt_dtype dtype, int64_t
 
 /* Parameter slots (Keras order: gamma, beta; each only when used). */
 static int mpt__ln_gamma_slot(const mpt__layer *L) {
-    return L->desc.layer_normalization.no_scale ? -1 : 0;
+    return mpt__gamma_slot(L->desc.layer_normalization.no_scale);
 }
 static int mpt__ln_beta_slot(const mpt__layer *L) {
-    return L->desc.layer_normalization.no_center ? -1 : !L->desc.layer_normalization.no_scale;
+    return mpt__beta_slot(L->desc.layer_normalization.no_center,
+                          L->desc.layer_normalization.no_scale);
 }
 static float mpt__ln_epsilon(const mpt__layer *L) {
     return L->desc.layer_normalization.epsilon != 0 ? L->desc.layer_normalization.epsilon : 1e-3f;
@@ -9668,10 +9673,7 @@ static mpt_layernorm_args mpt__ln_args(const mpt__layer *L, const mpt__pass *p) 
     a.y = p->y;
     a.dy = p->dy;
     a.dx = p->dx;
-    a.gamma = gamma >= 0 ? mpt__param_master(L, gamma) : NULL;
-    a.beta = beta >= 0 ? mpt__param_master(L, beta) : NULL;
-    a.dgamma = gamma >= 0 ? mpt__param_grad(L, gamma) : NULL;
-    a.dbeta = beta >= 0 ? mpt__param_grad(L, beta) : NULL;
+    mpt__gamma_beta_of(L, gamma, beta, &a.gamma, &a.beta, &a.dgamma, &a.dbeta);
     a.mean = (float *)L->saved[0];
     a.inv_std = (float *)L->saved[1];
     a.workspace = p->workspace;
@@ -9690,41 +9692,22 @@ static void mpt__ln_backward(mpt__layer *L, const mpt__pass *p) {
 
 static mpt_status mpt__ln_build(mpt_model *m, mpt__layer *L) {
     const mpt_layer_normalization_desc *d = &L->desc.layer_normalization;
-    int64_t D = L->in_shape[L->in_rank - 1], rows_per_sample = L->in_count / D, rows = 0, fixed;
+    int64_t D = L->in_shape[L->in_rank - 1], rows_per_sample = L->in_count / D;
     void *impl;
     const mpt_backend *be = mpt_context_backend(m->ctx, &impl);
     L->out_rank = L->in_rank;
     memcpy(L->out_shape, L->in_shape, sizeof L->in_shape);
-    /* float32 parameters whatever the compute dtype, as the statistics */
-    if (!d->no_scale)
-        MPT__CHECK(mpt__layer_add_param(m, L, "gamma", 1, &D,
-                                        d->gamma_initializer ? d->gamma_initializer
-                                                             : MPT_INIT_ONES,
-                                        D, D, 1, MPT_FLOAT32));
-    if (!d->no_center)
-        MPT__CHECK(mpt__layer_add_param(m, L, "beta", 1, &D,
-                                        d->beta_initializer ? d->beta_initializer
-                                                            : MPT_INIT_ZEROS,
-                                        D, D, 1, MPT_FLOAT32));
+    MPT__CHECK(mpt__gamma_beta_add(m, L, D, d->no_scale, d->no_center, d->gamma_initializer,
+                                   d->beta_initializer));
     MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* mean (B · rows) f32    */
     MPT__CHECK(mpt__layer_add_saved(m, L, 4 * rows_per_sample, 0)); /* inv_std (B · rows) f32 */
-    fixed = mpt__mul_ok(m->max_batch, rows_per_sample, &rows)
-                ? be->layernorm_workspace(impl, L->dtype, rows, D)
-                : -1;
-    if (fixed < 0)
-        return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
-                         "LayerNormalization '%s': workspace for a batch of %lld overflows",
-                         L->name, (long long)m->max_batch);
-    return mpt__layer_set_workspace(m, L, 0, fixed);
+    return mpt__rows_workspace(m, L, impl, be->layernorm_workspace, rows_per_sample, D);
 }
 
 static mpt_status mpt__ln_check(mpt_model *m, const mpt__layer_ops *ops,
                                 const mpt__layer_desc *desc) {
     const mpt_layer_normalization_desc *d = &desc->layer_normalization;
-    if (!(d->epsilon >= 0 && d->epsilon < INFINITY))
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "%s: epsilon %g must be > 0 and finite (0: 1e-3)", ops->class_name,
-                         (double)d->epsilon);
+    MPT__CHECK(mpt__check_epsilon(m, ops, d->epsilon));
     if (!mpt__initializer_valid(d->gamma_initializer) ||
         !mpt__initializer_valid(d->beta_initializer))
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: unknown %s initializer %d",
@@ -9737,9 +9720,7 @@ static mpt_status mpt__ln_check(mpt_model *m, const mpt__layer_ops *ops,
 }
 
 static const mpt__field mpt__ln_fields[] = {
-    MPT__FIELD(mpt_layer_normalization_desc, epsilon, MPT__FIELD_FLOAT),
-    MPT__FIELD(mpt_layer_normalization_desc, no_center, MPT__FIELD_INT),
-    MPT__FIELD(mpt_layer_normalization_desc, no_scale, MPT__FIELD_INT),
+    MPT__NORMALIZATION_FIELDS(mpt_layer_normalization_desc),
     MPT__FIELD(mpt_layer_normalization_desc, gamma_initializer, MPT__FIELD_INITIALIZER),
     MPT__FIELD(mpt_layer_normalization_desc, beta_initializer, MPT__FIELD_INITIALIZER),
     MPT__FIELDS_END};
@@ -9749,15 +9730,8 @@ static const mpt__layer_ops mpt__ln_ops = {
     mpt__ln_forward, mpt__ln_backward, NULL, NULL, NULL, NULL, NULL, 0,
     sizeof(mpt_layer_normalization_desc), mpt__ln_check, mpt__ln_fields, 1, 1, 0};
 
-MPTDEF mpt_status mpt_model_add_layer_normalization(mpt_model *m,
-                                                    const mpt_layer_normalization_desc *d) {
-    return mpt__add_layer(m, &mpt__ln_ops, d);
-}
-
-MPTDEF mpt_node mpt_layer_normalization(mpt_model *m, mpt_node x,
-                                        const mpt_layer_normalization_desc *d) {
-    return mpt__call_layer(m, &mpt__ln_ops, 1, &x, d);
-}
+MPT__LAYER_ENTRY_POINTS(mpt_model_add_layer_normalization, mpt_layer_normalization,
+                        mpt_layer_normalization_desc, mpt__ln_ops)
 
 /* =============================================================================
    @impl-attention  MultiHeadAttention: a query sequence attends to a value
@@ -10133,15 +10107,12 @@ static mpt_status mpt__mha_check_sizes(mpt_model *m, const mpt__layer *L) {
 /* no_flash_attention's saved P: 4·H·Tq·Tk bytes a sample (activations),
    on the CPU backend, whose attention alone reads and writes it; another
    backend's is refused with the field's name. */
-static mpt_status mpt__mha_keep_probs(mpt_model *m, mpt__layer *L, const mpt_backend *be,
-                                      const mpt__mha_sizes *z) {
+static mpt_status mpt__mha_keep_probs(mpt_model *m, mpt__layer *L, const mpt__mha_sizes *z) {
     int64_t scores = 0, bytes = 0;
-    if (strcmp(be->name, "cpu") != 0)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED,
-                         "MultiHeadAttention '%s': no_flash_attention (the attention weights "
-                         "kept for backward) is the CPU backend's only; the %s backend's "
-                         "attention computes them again in backward (leave it 0)",
-                         L->name, be->name);
+    MPT__CHECK(mpt__layer_cpu_only(m, L,
+                                   "no_flash_attention (the attention weights kept for "
+                                   "backward; leave it 0: CUDA's attention computes them "
+                                   "again in backward)"));
     if (!mpt__mul_ok(z->T[MPT__MHA_QUERY], z->T[MPT__MHA_KEY], &scores) ||
         !mpt__mul_ok(scores, 4 * L->desc.multi_head_attention.num_heads, &bytes))
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
@@ -10183,7 +10154,7 @@ static mpt_status mpt__mha_build(mpt_model *m, mpt__layer *L) {
     MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.v_rows), 0)); /* V */
     MPT__CHECK(mpt__layer_add_saved(m, L, mpt__dbytes(L->dtype, z.o_rows), 0)); /* O */
     MPT__CHECK(mpt__layer_add_saved(m, L, 0, 8)); /* dropout's step */
-    if (d->no_flash_attention) MPT__CHECK(mpt__mha_keep_probs(m, L, be, &z)); /* P */
+    if (d->no_flash_attention) MPT__CHECK(mpt__mha_keep_probs(m, L, &z)); /* P */
     /* the attention's scratch, then forward's float32 product or
        backward's pieces, whichever is larger */
     a = mpt__mha_attention_args(L, m->max_batch, z.T[MPT__MHA_KEY]);
@@ -10227,9 +10198,7 @@ static const mpt__field mpt__mha_fields[] = {
     MPT__FIELD(mpt_multi_head_attention_desc, output_dim, MPT__FIELD_INT64),
     MPT__FIELD(mpt_multi_head_attention_desc, dropout, MPT__FIELD_FLOAT),
     MPT__FIELD(mpt_multi_head_attention_desc, use_causal_mask, MPT__FIELD_INT),
-    MPT__FIELD(mpt_multi_head_attention_desc, no_bias, MPT__FIELD_INT),
-    MPT__FIELD(mpt_multi_head_attention_desc, kernel_initializer, MPT__FIELD_INITIALIZER),
-    MPT__FIELD(mpt_multi_head_attention_desc, bias_initializer, MPT__FIELD_INITIALIZER),
+    MPT__WEIGHT_FIELDS(mpt_multi_head_attention_desc),
     MPT__FIELD(mpt_multi_head_attention_desc, seed, MPT__FIELD_UINT64),
     MPT__FIELD(mpt_multi_head_attention_desc, no_flash_attention, MPT__FIELD_INT),
     MPT__FIELDS_END};

@@ -35,18 +35,6 @@ static void ref_init(void) {
     }
 }
 
-static uint32_t bits_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static float float_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static int is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
 
 /* Nearest-even rounding of x >= 0 to the pattern table[0..top] (top = inf). */
@@ -70,14 +58,14 @@ static unsigned ref_round(double x, const double *table, unsigned top) {
 /* The NaN rule the library defines (and F16C / AVX-512 implement): sign
    kept, quiet bit set, leading payload bits kept. */
 static uint16_t ref_float_to_half(float f) {
-    uint32_t u = bits_of(f);
+    uint32_t u = mpt__f32_bits(f);
     unsigned sign = (u >> 16) & 0x8000u;
     if (is_nan_bits(u)) return (uint16_t)(sign | 0x7e00u | ((u >> 13) & 0x3ffu));
     return (uint16_t)(sign | ref_round(fabs((double)f), ref_half_table, 0x7c00));
 }
 
 static uint16_t ref_float_to_bf16(float f) {
-    uint32_t u = bits_of(f);
+    uint32_t u = mpt__f32_bits(f);
     unsigned sign = (u >> 16) & 0x8000u;
     if (is_nan_bits(u)) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)(sign | ref_round(fabs((double)f), ref_bf16_table, 0x7f80));
@@ -123,7 +111,7 @@ static void build_inputs(void) {
     size_t i;
     int p;
     for (i = 0; i < sizeof special_bits / sizeof special_bits[0]; i++)
-        push(&inputs, float_of(special_bits[i]));
+        push(&inputs, mpt__bits_f32(special_bits[i]));
     push_both_signs(&inputs, 65519.996f);
     push_both_signs(&inputs, 65520.0f);
     push_both_signs(&inputs, 65504.0f);
@@ -145,15 +133,15 @@ static void build_inputs(void) {
        midpoints those with 0x8000; this also walks the NaN payloads. */
     for (p = 0; p < 0x10000; p++) {
         static const uint32_t low[] = { 0, 1, 0x7fff, 0x8000, 0x8001, 0xffff };
-        for (i = 0; i < 6; i++) push(&inputs, float_of(((uint32_t)p << 16) | low[i]));
+        for (i = 0; i < 6; i++) push(&inputs, mpt__bits_f32(((uint32_t)p << 16) | low[i]));
     }
     test_seed(1234);
-    for (i = 0; i < 2000000; i++) push(&inputs, float_of((uint32_t)test_next()));
+    for (i = 0; i < 2000000; i++) push(&inputs, mpt__bits_f32((uint32_t)test_next()));
     /* Uniform bits rarely land in float16's range: also draw exponents there. */
     for (i = 0; i < 1000000; i++) {
         uint32_t r = (uint32_t)test_next();
         uint32_t e = (uint32_t)test_randint(100, 145); /* 2^-27 .. 2^18 */
-        push(&inputs, float_of((r & 0x807fffffu) | (e << 23)));
+        push(&inputs, mpt__bits_f32((r & 0x807fffffu) | (e << 23)));
     }
 }
 
@@ -166,7 +154,7 @@ static void test_half_to_float_exhaustive(void) {
           "reference table is wrong");
     for (h = 0; h < 0x10000; h++) {
         float f = mpt_half_to_float((mpt_half)h);
-        uint32_t u = bits_of(f), sign = (h & 0x8000u) << 16;
+        uint32_t u = mpt__f32_bits(f), sign = (h & 0x8000u) << 16;
         unsigned e = (h >> 10) & 0x1f, m = h & 0x3ff;
         if (e == 0x1f && m) {
             uint32_t want = sign | 0x7fc00000u | (m << 13);
@@ -199,7 +187,7 @@ static void test_bf16_to_float_exhaustive(void) {
           "reference table is wrong");
     for (b = 0; b < 0x10000; b++) {
         float f = mpt_bf16_to_float((mpt_bf16)b);
-        uint32_t u = bits_of(f), sign = (b & 0x8000u) << 16;
+        uint32_t u = mpt__f32_bits(f), sign = (b & 0x8000u) << 16;
         unsigned e = (b >> 7) & 0xff, m = b & 0x7f;
         if (e == 0xff && m) {
             /* Widening bfloat16 is a shift: the NaN keeps every bit. */
@@ -235,7 +223,7 @@ static void check_against_reference(const char *to, uint16_t (*convert)(float),
         uint16_t got = convert(f), want = ref(f);
         if (got != want) {
             bad++;
-            CHECK(0, "float %08x (%.9g) -> %s %04x, want %04x", (unsigned)bits_of(f),
+            CHECK(0, "float %08x (%.9g) -> %s %04x, want %04x", (unsigned)mpt__f32_bits(f),
                   (double)f, to, got, want);
         }
     }
@@ -264,16 +252,16 @@ static void test_named_cases(void) {
     CHECK(mpt_float_to_half(nextafterf(2.9802322e-8f, 1.0f)) == 0x0001, "above 2^-25 -> 1");
     CHECK(mpt_float_to_half(8.940697e-8f) == 0x0002, "1.5 · 2^-24 ties to even (2)");
     CHECK(mpt_float_to_half(-0.0f) == 0x8000, "-0");
-    CHECK(mpt_float_to_half(float_of(0x7f800001u)) == 0x7e00, "sNaN, low payload -> quiet");
-    CHECK(mpt_float_to_half(float_of(0xffa02001u)) == 0xff01, "sNaN payload truncated, quieted");
+    CHECK(mpt_float_to_half(mpt__bits_f32(0x7f800001u)) == 0x7e00, "sNaN, low payload -> quiet");
+    CHECK(mpt_float_to_half(mpt__bits_f32(0xffa02001u)) == 0xff01, "sNaN payload truncated, quieted");
     CHECK(mpt_half_to_float(0x7c01) != mpt_half_to_float(0x7c01), "half NaN stays NaN");
-    CHECK(bits_of(mpt_half_to_float(0xfc01)) == 0xffc02000u, "half sNaN -> quiet float");
+    CHECK(mpt__f32_bits(mpt_half_to_float(0xfc01)) == 0xffc02000u, "half sNaN -> quiet float");
     CHECK(mpt_float_to_bf16(1.0f) == 0x3f80, "bf16 1");
-    CHECK(mpt_float_to_bf16(float_of(0x3f808000u)) == 0x3f80, "bf16 tie to even (down)");
-    CHECK(mpt_float_to_bf16(float_of(0x3f818000u)) == 0x3f82, "bf16 tie to even (up)");
-    CHECK(mpt_float_to_bf16(float_of(0x7f7fffffu)) == 0x7f80, "bf16 overflow to inf");
-    CHECK(mpt_float_to_bf16(float_of(0x00018000u)) == 0x0002, "bf16 of a float subnormal");
-    CHECK(mpt_float_to_bf16(float_of(0xff800001u)) == 0xffc0, "bf16 sNaN -> quiet");
+    CHECK(mpt_float_to_bf16(mpt__bits_f32(0x3f808000u)) == 0x3f80, "bf16 tie to even (down)");
+    CHECK(mpt_float_to_bf16(mpt__bits_f32(0x3f818000u)) == 0x3f82, "bf16 tie to even (up)");
+    CHECK(mpt_float_to_bf16(mpt__bits_f32(0x7f7fffffu)) == 0x7f80, "bf16 overflow to inf");
+    CHECK(mpt_float_to_bf16(mpt__bits_f32(0x00018000u)) == 0x0002, "bf16 of a float subnormal");
+    CHECK(mpt_float_to_bf16(mpt__bits_f32(0xff800001u)) == 0xffc0, "bf16 sNaN -> quiet");
 }
 
 /* ---- vector paths against the scalar functions ---------------------------- */
@@ -410,7 +398,7 @@ static void test_vector_paths_lengths_offsets(void) {
     for (i = 0; i < max_n; i++) {
         src32[i] = (uint32_t)test_next();
         /* Mostly in float16 range, with some specials mixed in. */
-        if (i % 4) src32[i] = bits_of((float)test_uniform(-70000.0, 70000.0) * (i % 3 ? 1.0f : 1e-6f));
+        if (i % 4) src32[i] = mpt__f32_bits((float)test_uniform(-70000.0, 70000.0) * (i % 3 ? 1.0f : 1e-6f));
         src16[i] = (uint16_t)test_next();
     }
     for (c = 0; c < N_CONFIGS; c++) {

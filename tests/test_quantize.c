@@ -1789,9 +1789,10 @@ static void test_quantize_input_lanes(void) {
 
 /* The dynamic products' rows quantized with AVX-512 (where the CPU has
    it) against the C loop: the same codes and scales, bit for bit, on rows
-   of every length from 1 to 40 and of 256, with ties (127·k/2 of a row
-   whose largest is 127), zeros, a row of zeros, and rows holding inf or
-   NaN (left to the C loop). */
+   of every length from 1 to 40 and of 101, 208 and 256 (the largest
+   sought four vectors a step, then the tail's), with ties (127·k/2 of a
+   row whose largest is 127), zeros, a row of zeros, and rows holding inf
+   or NaN (left to the C loop). */
 static void test_symmetric_rows_lanes(void) {
     enum { ROWS = 12, MAXC = 256 };
     static float x[ROWS * MAXC];
@@ -1801,8 +1802,8 @@ static void test_symmetric_rows_lanes(void) {
     int64_t length, cols, k;
     int v, off = 0;
     test_seed(63);
-    for (length = 1; length <= 41; length++) {
-        cols = length <= 40 ? length : MAXC;
+    for (length = 1; length <= 43; length++) {
+        cols = length <= 40 ? length : length == 41 ? MAXC : length == 42 ? 101 : 208;
         for (k = 0; k < ROWS * cols; k++) x[k] = (float)test_uniform(-3.0, 3.0);
         for (k = 0; k < cols; k++) x[k] = k == 0 ? 127.0f : (float)(k % 255 - 127) * 0.5f; /* ties */
         for (k = 0; k < cols; k++) x[cols + k] = 0.0f;

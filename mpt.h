@@ -34819,15 +34819,14 @@ MPT__AVX512_QUIET_BEGIN
 /* mpt__q_symmetric_rows in AVX-512, the same bits: the same max (order
    does not change a max; a NaN never wins, as there), the same one
    product x·inv, truncation and the same half-way test as
-   mpt__q_round_small, 16 elements a step; the tail under a mask. The
-   max keeps four vectors (one vmaxps chain waited on its latency) and
-   whole vectors of codes go out by a plain store (mpt__store16_int8_avx512:
-   the masked vpmovdb to memory is slow on AMD): a dynamic-range ResNet-20
-   spent a tenth of its predict here. */
+   mpt__q_round_small, 16 elements a step; the tail under a mask. The max
+   keeps four vectors (one vmaxps chain waited on its latency), whole
+   vectors of codes go out by a plain store (a masked vpmovdb to memory is
+   slow on AMD): a tenth of a dynamic-range ResNet-20's predict was here.
+   max(a, lane) returns lane for a NaN a: a NaN never enters a lane. */
 MPT__TARGET_AVX512 static float mpt__q_abs_max_avx512(const float *x, int64_t cols) {
     __m512 l0 = _mm512_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
     int64_t c = 0;
-    /* max(a, lane) returns lane for a NaN a: a NaN never enters a lane */
     for (; c + 64 <= cols; c += 64) {
         l0 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c)), l0);
         l1 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c + 16)), l1);
@@ -34851,14 +34850,12 @@ MPT__TARGET_AVX512 static void mpt__q_symmetric_rows_avx512(const float *x, int6
     int64_t r, c;
     for (r = 0; r < rows; r++, x += cols, q += cols) {
         const float amax = mpt__q_abs_max_avx512(x, cols);
-        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-        __m512 vinv;
+        const __m512 vinv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
         scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
         if (!(amax < INFINITY)) { /* inf: the scalar path, which saturates */
             mpt__q_symmetric_rows(x, 1, cols, q, scale + r);
             continue;
         }
-        vinv = _mm512_set1_ps(inv);
         for (c = 0; c < cols; c += 16) {
             const __mmask16 m = cols - c >= 16 ? (__mmask16)0xFFFF
                                                : (__mmask16)((1u << (cols - c)) - 1);
@@ -35744,24 +35741,129 @@ static int mpt__qconv_takes(const mpt_context *ctx, const mpt__qop *op, mpt__qex
 }
 
 
+#if MPT__X86
+MPT__AVX512_QUIET_BEGIN
+/* mpt__q_symmetric_rows_avx512 of the chain's output (ops[0 ..
+   count_ops − 1] on each element, as mpt__q_chain_float_avx512 computes
+   it) without writing it: rows of whole pixels of C channels, C a
+   multiple of 16. The same values in the same steps, so the same codes
+   and scales; a row whose largest is not finite is left as it is (its
+   scale says so: the caller then runs the chain and quantizes as ever). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__q_chain16_avx512(const mpt__qop *ops,
+                                                                        int count_ops, __m512 v,
+                                                                        int64_t c) {
+    int f;
+    for (f = 0; f < count_ops; f++)
+        v = mpt__q_binary16_avx512(ops[f].info.op == MPT_QOP_ADD ? 0 : 2, v,
+                                   _mm512_loadu_ps(ops[f].channel + c),
+                                   ops[f].info.activation == MPT_ACT_RELU);
+    return v;
+}
+
+MPT__TARGET_AVX512 static void mpt__q_chain_rows_avx512(const mpt__qop *ops, int count_ops,
+                                                        const float *x, int64_t rows,
+                                                        int64_t cols, int8_t *q, float *scale) {
+    const int64_t C = ops[0].info.n_constants;
+    const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
+    const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    const __m512i one = _mm512_set1_epi32(1);
+    int64_t r, e, c;
+    for (r = 0; r < rows; r++, x += cols, q += cols) {
+        __m512 lane = _mm512_setzero_ps(), vinv;
+        float amax;
+        for (e = 0, c = 0; e < cols; e += 16, c = c + 16 == C ? 0 : c + 16)
+            lane = _mm512_max_ps(
+                _mm512_abs_ps(mpt__q_chain16_avx512(ops, count_ops, _mm512_loadu_ps(x + e), c)),
+                lane); /* a NaN: lane kept */
+        amax = _mm512_reduce_max_ps(lane);
+        scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
+        if (!(amax < INFINITY)) continue;
+        vinv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+        for (e = 0, c = 0; e < cols; e += 16, c = c + 16 == C ? 0 : c + 16) {
+            const __m512 v = _mm512_mul_ps(
+                mpt__q_chain16_avx512(ops, count_ops, _mm512_loadu_ps(x + e), c), vinv);
+            __m512i i = _mm512_cvttps_epi32(v);
+            const __m512 frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+            i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(frac, half, _CMP_GE_OQ), i, one);
+            i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(frac, minus_half, _CMP_LE_OQ), i,
+                                      one);
+            _mm_storeu_si128((__m128i *)(void *)(q + e),
+                             _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(i, lo), hi)));
+        }
+    }
+}
+MPT__AVX512_QUIET_END
+#endif
+
+/* mpt__q_chain_rows_avx512 over the context's threads, MPT__Q_TASK_ROWS
+   rows a task as mpt__q_symmetric_rows_parallel's. */
+typedef struct mpt__qchain_rows_job {
+    const mpt__qop *chain;
+    const float *x;
+    int8_t *q;
+    float *scale;
+    int64_t rows, cols;
+} mpt__qchain_rows_job;
+
+static void mpt__qconv_chain_rows_task(void *arg, int64_t task, int thread) {
+#if MPT__X86
+    const mpt__qchain_rows_job *j = (const mpt__qchain_rows_job *)arg;
+    const int64_t r0 = task * MPT__Q_TASK_ROWS, n = MPT__MIN(MPT__Q_TASK_ROWS, j->rows - r0);
+    mpt__q_chain_rows_avx512(j->chain, 1 + j->chain->chained, j->x + r0 * j->cols, n, j->cols,
+                             j->q + r0 * j->cols, j->scale + r0);
+#else
+    (void)arg, (void)task;
+#endif
+    (void)thread;
+}
+
 /* A dynamic-range Conv2D's input x (n samples of op's in_count floats)
    quantized per sample into w->xq at w->sample_scale, as the product's
-   rows are (*xq, *scale point there); 0 when a sample holds inf or NaN:
-   the caller then leaves the Conv2D to the im2col path. */
+   rows are (*xq, *scale point there), each element first through the
+   chain whose head is `chain` where one is given (mpt__q_dynamic_chain);
+   0 when a sample holds inf or NaN: the caller then leaves the Conv2D to
+   the im2col path (having run the chain). */
 static int mpt__q_dynamic_input(mpt_context *ctx, const mpt__qop *op, const void *x, int64_t n,
-                                mpt__qwork *w, const int8_t **xq, const float **scale) {
+                                mpt__qwork *w, const int8_t **xq, const float **scale,
+                                const mpt__qop *chain) {
     int64_t r;
-    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
-                                   w->sample_scale);
+    if (chain) {
+        mpt__qchain_rows_job j;
+        j.chain = chain, j.x = (const float *)x, j.q = w->xq, j.scale = w->sample_scale;
+        j.rows = n, j.cols = op->in_count;
+        mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                          mpt__qconv_chain_rows_task, &j);
+    } else {
+        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
+                                       w->sample_scale);
+    }
     for (r = 0; r < n; r++)
         if (!(w->sample_scale[r] < INFINITY)) return 0;
     *xq = w->xq, *scale = w->sample_scale;
     return 1;
 }
 
+/* The head of the chain that Conv2D op i absorbs where the dynamic pass
+   runs that chain inside the Conv2D's quantization of its input
+   (mpt__q_chain_rows_avx512), or NULL: the Conv2D runs from its windows,
+   the CPU has AVX-512 and the channels are a multiple of 16. The chain's
+   output is then never written (unless a sample's scale is not finite):
+   the seed cnn's dynamic-range BatchNormalizations spent 7 % of its
+   predict of 128 images reading and writing it. */
+static const mpt__qop *mpt__q_dynamic_chain(const mpt_context *ctx, const mpt__quantized *Q,
+                                            int i, mpt__qexec ex) {
+    const mpt__qop *op = &Q->ops[i], *head;
+    if (ex != MPT__QX_DYNAMIC || op->info.op != MPT_QOP_CONV_2D || !op->absorbs ||
+        !(ctx->cpu & MPT_CPU_AVX512) || !mpt__qconv_takes(ctx, op, ex))
+        return NULL;
+    head = &Q->ops[op->absorbs - 1];
+    return head->info.n_constants == op->g.c && op->g.c % 16 == 0 ? head : NULL;
+}
+
 /* Runs Conv2D op (C > 1) of the integer or dynamic pass from its windows
    where mpt__qconv_takes it, each code through `table` first when one is
-   given (an absorbed chain's), and with the MaxPooling2D `pool` or the
+   given (an absorbed chain's; dynamic range: each element through the
+   ops of `chain`, mpt__q_dynamic_chain's), and with the MaxPooling2D `pool` or the
    ADD `add` after it (reading `other`) when one is given, y then their
    output; returns whether it ran. Dynamic range
    quantizes each sample first, as mpt__q_conv does, and leaves a batch
@@ -35770,8 +35872,8 @@ static int mpt__q_dynamic_input(mpt_context *ctx, const mpt__qop *op, const void
    each. */
 static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *pool,
                           const mpt__qop *add, const int8_t *other, mpt__qexec ex,
-                          const void *x, const int8_t *table, void *y, int64_t n,
-                          mpt__qwork *w) {
+                          const void *x, const int8_t *table, const mpt__qop *chain, void *y,
+                          int64_t n, mpt__qwork *w) {
     const mpt__win *g = &op->g;
     mpt__qconv_job j;
     int64_t fit, want;
@@ -35795,7 +35897,7 @@ static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *
     want = MPT__MAX(1, MPT__MIN(want, j.orows * j.ocols * j.win * j.win / (2 * j.pix)));
     j.rows = MPT__MIN(fit, (j.orows + want - 1) / want);
     j.parts = (j.orows + j.rows - 1) / j.rows;
-    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale))
+    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale, chain))
         return 0;
     mpt__parallel_for(ctx, n * j.parts, mpt__qconv_task, &j);
     return 1;
@@ -36087,7 +36189,7 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
         for (q = 0; q < per_row; q++) j.off[r * per_row + q] = (int32_t)(r * j.wp + 4 * q);
     need = (j.hp * j.wp + 63) / 64 * 64 + 4 * j.owp * j.npad;
     if ((double)j.hp * (double)j.wp > 1e9 || need > (int64_t)MPT__THREAD_SCRATCH_BYTES) return 0;
-    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale))
+    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale, NULL))
         return 0;
     mpt__parallel_for(ctx, n, mpt__q_direct_task, &j);
     *ran_pool = j.pool != NULL;
@@ -36371,16 +36473,19 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         const void *in = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
         void *y = mpt__q_tensor_at(Q, w, x, i + 1);
         pooled = 0;
-        if (ex == MPT__QX_INTEGER && op->absorbed_by &&
-            mpt__qconv_takes(ctx, &Q->ops[op->absorbed_by - 1], ex)) {
-            i += op->chained; /* the Conv2D after it looks the chain's table up */
+        if (op->absorbed_by &&
+            ((ex == MPT__QX_INTEGER && mpt__qconv_takes(ctx, &Q->ops[op->absorbed_by - 1], ex)) ||
+             mpt__q_dynamic_chain(ctx, Q, op->absorbed_by - 1, ex) == op)) {
+            i += op->chained; /* the Conv2D after it looks the chain's table up
+                                 (dynamic range: runs it as it quantizes) */
             continue;
         }
         if (op->info.op == MPT_QOP_CONV_2D && mpt__qconv_takes(ctx, op, ex)) {
             /* from its windows: the chain it absorbs looked up as it copies
                them, the MaxPooling2D after it taken with it */
+            const mpt__qop *chain = mpt__q_dynamic_chain(ctx, Q, i, ex);
             const mpt__qop *head = ex == MPT__QX_INTEGER && op->absorbs
-                                       ? &Q->ops[op->absorbs - 1] : NULL;
+                                       ? &Q->ops[op->absorbs - 1] : chain;
             const mpt__qop *pool = mpt__qconv_pool(Q, i);
             const mpt__qop *add = ex == MPT__QX_INTEGER && op->fuse_add && Q->ops[i + 1].pair_lut
                                       ? &Q->ops[i + 1] : NULL;
@@ -36389,12 +36494,15 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
                                          Q, w, x, add->in_t[2 - op->fuse_add])
                                    : NULL,
                                ex, head ? mpt__q_tensor_at(Q, w, x, head->in_t[0]) : in,
-                               head ? head->chain_lut : NULL,
+                               head && !chain ? head->chain_lut : NULL, chain,
                                pool || add ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w)) {
                 i += pool || add; /* ran with it */
                 continue;
             }
-            if (head) /* it runs unless a dynamic sample's scale is not finite */
+            if (chain) /* a sample's scale was not finite: the chain in place, then as ever */
+                mpt__q_run_graph_op(ctx, Q, op->absorbs - 1, ex, x,
+                                    mpt__q_tensor_at(Q, w, x, op->absorbs), n, w);
+            else if (head) /* integer: it runs */
                 return mpt__fail(ctx, MPT_ERR_STATE, "quantized model: '%s' did not run from "
                                  "its windows", op->name);
         }

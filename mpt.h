@@ -34817,13 +34817,12 @@ static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, in
 #if MPT__X86
 MPT__AVX512_QUIET_BEGIN
 /* mpt__q_symmetric_rows in AVX-512, the same bits: the same max (order
-   does not change a max; a NaN never wins, as there), the same one
-   product x·inv, truncation and the same half-way test as
-   mpt__q_round_small, 16 elements a step; the tail under a mask. The max
-   keeps four vectors (one vmaxps chain waited on its latency), whole
-   vectors of codes go out by a plain store (a masked vpmovdb to memory is
-   slow on AMD): a tenth of a dynamic-range ResNet-20's predict was here.
-   max(a, lane) returns lane for a NaN a: a NaN never enters a lane. */
+   does not change a max; max(a, lane) keeps lane for a NaN a, so a NaN
+   never wins, as there), the same one product x·inv, truncation and
+   half-way test as mpt__q_round_small, 16 elements a step, the tail under
+   a mask. Four vectors keep the max (one vmaxps chain waited on its
+   latency) and whole vectors of codes go out by a plain store (a masked
+   vpmovdb to memory is slow on AMD): a tenth of a dynamic ResNet-20's predict. */
 MPT__TARGET_AVX512 static float mpt__q_abs_max_avx512(const float *x, int64_t cols) {
     __m512 l0 = _mm512_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
     int64_t c = 0;
@@ -34834,8 +34833,7 @@ MPT__TARGET_AVX512 static float mpt__q_abs_max_avx512(const float *x, int64_t co
         l3 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c + 48)), l3);
     }
     for (; c < cols; c += 16) {
-        const __mmask16 m = cols - c >= 16 ? (__mmask16)0xFFFF
-                                           : (__mmask16)((1u << (cols - c)) - 1);
+        const __mmask16 m = (__mmask16)(cols - c >= 16 ? 0xFFFFu : (1u << (cols - c)) - 1);
         l0 = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + c)), l0);
     }
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(l0, l1), _mm512_max_ps(l2, l3)));

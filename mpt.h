@@ -35101,9 +35101,28 @@ static void mpt__q_symmetric_rows(const float *x, int64_t rows, int64_t cols, in
 #if MPT__X86
 MPT__AVX512_QUIET_BEGIN
 /* mpt__q_symmetric_rows in AVX-512, the same bits: the same max (order
-   does not change a max; a NaN never wins, as there), the same one
-   product x·inv, truncation and the same half-way test as
-   mpt__q_round_small, 16 elements a step; the tail under a mask. */
+   does not change a max; max(a, lane) keeps lane for a NaN a, so a NaN
+   never wins, as there), the same one product x·inv, truncation and
+   half-way test as mpt__q_round_small, 16 elements a step, the tail under
+   a mask. Four vectors keep the max (one vmaxps chain waited on its
+   latency) and whole vectors of codes go out by a plain store (a masked
+   vpmovdb to memory is slow on AMD): a tenth of a dynamic ResNet-20's predict. */
+MPT__TARGET_AVX512 static float mpt__q_abs_max_avx512(const float *x, int64_t cols) {
+    __m512 l0 = _mm512_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
+    int64_t c = 0;
+    for (; c + 64 <= cols; c += 64) {
+        l0 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c)), l0);
+        l1 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c + 16)), l1);
+        l2 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c + 32)), l2);
+        l3 = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + c + 48)), l3);
+    }
+    for (; c < cols; c += 16) {
+        const __mmask16 m = (__mmask16)(cols - c >= 16 ? 0xFFFFu : (1u << (cols - c)) - 1);
+        l0 = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + c)), l0);
+    }
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(l0, l1), _mm512_max_ps(l2, l3)));
+}
+
 MPT__TARGET_AVX512 static void mpt__q_symmetric_rows_avx512(const float *x, int64_t rows,
                                                             int64_t cols, int8_t *q,
                                                             float *scale) {
@@ -35112,22 +35131,13 @@ MPT__TARGET_AVX512 static void mpt__q_symmetric_rows_avx512(const float *x, int6
     const __m512i one = _mm512_set1_epi32(1);
     int64_t r, c;
     for (r = 0; r < rows; r++, x += cols, q += cols) {
-        __m512 lane = _mm512_setzero_ps(), vinv;
-        float amax, inv;
-        for (c = 0; c < cols; c += 16) {
-            const __mmask16 m = cols - c >= 16 ? (__mmask16)0xFFFF
-                                               : (__mmask16)((1u << (cols - c)) - 1);
-            const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + c));
-            lane = _mm512_max_ps(a, lane); /* a NaN: lane kept */
-        }
-        amax = _mm512_reduce_max_ps(lane);
+        const float amax = mpt__q_abs_max_avx512(x, cols);
+        const __m512 vinv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
         scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
-        inv = amax > 0 ? 127.0f / amax : 0.0f;
         if (!(amax < INFINITY)) { /* inf: the scalar path, which saturates */
             mpt__q_symmetric_rows(x, 1, cols, q, scale + r);
             continue;
         }
-        vinv = _mm512_set1_ps(inv);
         for (c = 0; c < cols; c += 16) {
             const __mmask16 m = cols - c >= 16 ? (__mmask16)0xFFFF
                                                : (__mmask16)((1u << (cols - c)) - 1);
@@ -35137,8 +35147,7 @@ MPT__TARGET_AVX512 static void mpt__q_symmetric_rows_avx512(const float *x, int6
             i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(frac, half, _CMP_GE_OQ), i, one);
             i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(frac, minus_half, _CMP_LE_OQ), i,
                                       one);
-            i = _mm512_min_epi32(_mm512_max_epi32(i, lo), hi);
-            _mm512_mask_cvtepi32_storeu_epi8(q + c, m, i);
+            mpt__store16_int8_avx512(q + c, m, _mm512_min_epi32(_mm512_max_epi32(i, lo), hi));
         }
     }
 }
@@ -35846,6 +35855,22 @@ static void mpt__qconv_table_copy(uint8_t *dst, const int8_t *src, int64_t pixel
 }
 
 MPT__AVX512_QUIET_BEGIN
+/* mpt__qconv_flip_copy in AVX-512, 64 bytes a step, the tail under a
+   mask: the copy's eight-byte steps were as long as a third of the
+   ResNet-20 stage's products they feed. */
+MPT__TARGET_AVX512 static void mpt__qconv_flip_copy_avx512(uint8_t *dst, const int8_t *src,
+                                                           int64_t n) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    int64_t c;
+    for (c = 0; c + 64 <= n; c += 64)
+        _mm512_storeu_si512(dst + c, _mm512_xor_si512(_mm512_loadu_si512(src + c), flip));
+    if (c < n) {
+        const __mmask64 m = ((__mmask64)1 << (n - c)) - 1;
+        _mm512_mask_storeu_epi8(dst + c, m,
+                                _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, src + c), flip));
+    }
+}
+
 /* mpt__qconv_table_copy in AVX-512, the same bytes: 16 channels of a
    pixel a gather of their table words (each word's low byte the code;
    the table holds 4 bytes past its last entry for the last word), the
@@ -35872,6 +35897,35 @@ MPT__TARGET_AVX512 static void mpt__qconv_table_copy_avx512(uint8_t *dst, const 
 MPT__AVX512_QUIET_END
 #endif
 
+/* px[0 .. pix − 1]: the corners in `copy` of the windows of a task's
+   pixels p0 .. p0 + valid − 1 (pixel at: row at / OW, column at % OW; a
+   pooled job's window at / 4 of the pooled grid and its pixel at % 4), a
+   short block repeating its last pixel. Stepped from p0's place: two
+   divisions a pixel were a tenth of ResNet-20's 16-filter blocks. */
+#if MPT__X86
+static void mpt__qconv_block_pixels(const mpt__qconv_job *j, const uint8_t *copy, int64_t p0,
+                                    int valid, const uint8_t **px) {
+    const mpt__win *g = &j->op->g;
+    const int64_t C = g->c, down = g->sh * j->rb, across = g->sw * C;
+    int p;
+    if (j->win > 1) {
+        int64_t w = p0 / 4, wrow = w / j->ocols, wcol = w % j->ocols, q = p0 % 4;
+        for (p = 0; p < valid; p++) {
+            px[p] = copy + (wrow * 2 + q / 2) * down + (wcol * 2 + q % 2) * across;
+            if (++q == 4 && ++wcol == j->ocols) wcol = 0, wrow++;
+            if (q == 4) q = 0;
+        }
+    } else {
+        int64_t row = p0 / g->ow, col = p0 % g->ow;
+        for (p = 0; p < valid; p++) {
+            px[p] = copy + row * down + col * across;
+            if (++col == g->ow) col = 0, row++;
+        }
+    }
+    for (p = valid; p < j->pix; p++) px[p] = px[valid - 1];
+}
+#endif
+
 /* Task t: output rows [oy0, oy1) of sample t / parts, from the copy of
    the padded rows they read (row oy0·sh of the padded sample first). */
 static void mpt__qconv_task(void *arg, int64_t t, int thread) {
@@ -35892,7 +35946,7 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
     int32_t tile[MPT__QCONV_PIX_WIDE * 16]; /* = MPT__QCONV_PIX × 32 */
     const float s = j->scale ? j->scale[b] : 0.0f;
     const int64_t c_lo = MPT__MAX(0, g->left), c_hi = MPT__MIN(g->w + g->left, j->cols);
-    int64_t r, p0, p, c0;
+    int64_t r, p0, c0;
     for (r = 0; r < copied; r++) {
         const int64_t in_row = first + r - g->top;
         uint8_t *dst = copy + r * j->rb;
@@ -35908,6 +35962,9 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
         else if (j->table)
             mpt__qconv_table_copy(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
                                   c_hi - c_lo, C, j->table);
+        else if (j->ctx->cpu & MPT_CPU_AVX512)
+            mpt__qconv_flip_copy_avx512(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
+                                        (c_hi - c_lo) * C);
         else
             mpt__qconv_flip_copy(dst + c_lo * C, x + (in_row * g->w + c_lo - g->left) * C,
                                  (c_hi - c_lo) * C);
@@ -35915,15 +35972,7 @@ static void mpt__qconv_task(void *arg, int64_t t, int thread) {
     }
     for (p0 = 0; p0 < pixels; p0 += j->pix) {
         const int valid = (int)MPT__MIN(j->pix, pixels - p0);
-        for (p = 0; p < j->pix; p++) { /* a short block repeats its last pixel */
-            const int64_t at = p0 + MPT__MIN(p, valid - 1);
-            int64_t row = at / g->ow, col = at % g->ow;
-            if (win > 1) { /* window at / 4's pixel at % 4 */
-                const int64_t w4 = at / 4, q = at % 4;
-                row = w4 / j->ocols * 2 + q / 2, col = w4 % j->ocols * 2 + q % 2;
-            }
-            px[p] = copy + row * g->sh * j->rb + col * g->sw * C;
-        }
+        mpt__qconv_block_pixels(j, copy, p0, valid, px);
         for (c0 = 0; c0 < j->npad; c0 += 32) {
             const uint8_t *taps = op->direct_w + c0 * 4;
             int nb = 2;
@@ -35976,24 +36025,129 @@ static int mpt__qconv_takes(const mpt_context *ctx, const mpt__qop *op, mpt__qex
 }
 
 
+#if MPT__X86
+MPT__AVX512_QUIET_BEGIN
+/* mpt__q_symmetric_rows_avx512 of the chain's output (ops[0 ..
+   count_ops − 1] on each element, as mpt__q_chain_float_avx512 computes
+   it) without writing it: rows of whole pixels of C channels, C a
+   multiple of 16. The same values in the same steps, so the same codes
+   and scales; a row whose largest is not finite is left as it is (its
+   scale says so: the caller then runs the chain and quantizes as ever). */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__q_chain16_avx512(const mpt__qop *ops,
+                                                                        int count_ops, __m512 v,
+                                                                        int64_t c) {
+    int f;
+    for (f = 0; f < count_ops; f++)
+        v = mpt__q_binary16_avx512(ops[f].info.op == MPT_QOP_ADD ? 0 : 2, v,
+                                   _mm512_loadu_ps(ops[f].channel + c),
+                                   ops[f].info.activation == MPT_ACT_RELU);
+    return v;
+}
+
+MPT__TARGET_AVX512 static void mpt__q_chain_rows_avx512(const mpt__qop *ops, int count_ops,
+                                                        const float *x, int64_t rows,
+                                                        int64_t cols, int8_t *q, float *scale) {
+    const int64_t C = ops[0].info.n_constants;
+    const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
+    const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    const __m512i one = _mm512_set1_epi32(1);
+    int64_t r, e, c;
+    for (r = 0; r < rows; r++, x += cols, q += cols) {
+        __m512 lane = _mm512_setzero_ps(), vinv;
+        float amax;
+        for (e = 0, c = 0; e < cols; e += 16, c = c + 16 == C ? 0 : c + 16)
+            lane = _mm512_max_ps(
+                _mm512_abs_ps(mpt__q_chain16_avx512(ops, count_ops, _mm512_loadu_ps(x + e), c)),
+                lane); /* a NaN: lane kept */
+        amax = _mm512_reduce_max_ps(lane);
+        scale[r] = amax > 0 ? amax / 127.0f : 1.0f;
+        if (!(amax < INFINITY)) continue;
+        vinv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+        for (e = 0, c = 0; e < cols; e += 16, c = c + 16 == C ? 0 : c + 16) {
+            const __m512 v = _mm512_mul_ps(
+                mpt__q_chain16_avx512(ops, count_ops, _mm512_loadu_ps(x + e), c), vinv);
+            __m512i i = _mm512_cvttps_epi32(v);
+            const __m512 frac = _mm512_sub_ps(v, _mm512_cvtepi32_ps(i));
+            i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(frac, half, _CMP_GE_OQ), i, one);
+            i = _mm512_mask_sub_epi32(i, _mm512_cmp_ps_mask(frac, minus_half, _CMP_LE_OQ), i,
+                                      one);
+            _mm_storeu_si128((__m128i *)(void *)(q + e),
+                             _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(i, lo), hi)));
+        }
+    }
+}
+MPT__AVX512_QUIET_END
+#endif
+
+/* mpt__q_chain_rows_avx512 over the context's threads, MPT__Q_TASK_ROWS
+   rows a task as mpt__q_symmetric_rows_parallel's. */
+typedef struct mpt__qchain_rows_job {
+    const mpt__qop *chain;
+    const float *x;
+    int8_t *q;
+    float *scale;
+    int64_t rows, cols;
+} mpt__qchain_rows_job;
+
+static void mpt__qconv_chain_rows_task(void *arg, int64_t task, int thread) {
+#if MPT__X86
+    const mpt__qchain_rows_job *j = (const mpt__qchain_rows_job *)arg;
+    const int64_t r0 = task * MPT__Q_TASK_ROWS, n = MPT__MIN(MPT__Q_TASK_ROWS, j->rows - r0);
+    mpt__q_chain_rows_avx512(j->chain, 1 + j->chain->chained, j->x + r0 * j->cols, n, j->cols,
+                             j->q + r0 * j->cols, j->scale + r0);
+#else
+    (void)arg, (void)task;
+#endif
+    (void)thread;
+}
+
 /* A dynamic-range Conv2D's input x (n samples of op's in_count floats)
    quantized per sample into w->xq at w->sample_scale, as the product's
-   rows are (*xq, *scale point there); 0 when a sample holds inf or NaN:
-   the caller then leaves the Conv2D to the im2col path. */
+   rows are (*xq, *scale point there), each element first through the
+   chain whose head is `chain` where one is given (mpt__q_dynamic_chain);
+   0 when a sample holds inf or NaN: the caller then leaves the Conv2D to
+   the im2col path (having run the chain). */
 static int mpt__q_dynamic_input(mpt_context *ctx, const mpt__qop *op, const void *x, int64_t n,
-                                mpt__qwork *w, const int8_t **xq, const float **scale) {
+                                mpt__qwork *w, const int8_t **xq, const float **scale,
+                                const mpt__qop *chain) {
     int64_t r;
-    mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
-                                   w->sample_scale);
+    if (chain) {
+        mpt__qchain_rows_job j;
+        j.chain = chain, j.x = (const float *)x, j.q = w->xq, j.scale = w->sample_scale;
+        j.rows = n, j.cols = op->in_count;
+        mpt__parallel_for(ctx, (n + MPT__Q_TASK_ROWS - 1) / MPT__Q_TASK_ROWS,
+                          mpt__qconv_chain_rows_task, &j);
+    } else {
+        mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq,
+                                       w->sample_scale);
+    }
     for (r = 0; r < n; r++)
         if (!(w->sample_scale[r] < INFINITY)) return 0;
     *xq = w->xq, *scale = w->sample_scale;
     return 1;
 }
 
+/* The head of the chain that Conv2D op i absorbs where the dynamic pass
+   runs that chain inside the Conv2D's quantization of its input
+   (mpt__q_chain_rows_avx512), or NULL: the Conv2D runs from its windows,
+   the CPU has AVX-512 and the channels are a multiple of 16. The chain's
+   output is then never written (unless a sample's scale is not finite):
+   the seed cnn's dynamic-range BatchNormalizations spent 7 % of its
+   predict of 128 images reading and writing it. */
+static const mpt__qop *mpt__q_dynamic_chain(const mpt_context *ctx, const mpt__quantized *Q,
+                                            int i, mpt__qexec ex) {
+    const mpt__qop *op = &Q->ops[i], *head;
+    if (ex != MPT__QX_DYNAMIC || op->info.op != MPT_QOP_CONV_2D || !op->absorbs ||
+        !(ctx->cpu & MPT_CPU_AVX512) || !mpt__qconv_takes(ctx, op, ex))
+        return NULL;
+    head = &Q->ops[op->absorbs - 1];
+    return head->info.n_constants == op->g.c && op->g.c % 16 == 0 ? head : NULL;
+}
+
 /* Runs Conv2D op (C > 1) of the integer or dynamic pass from its windows
    where mpt__qconv_takes it, each code through `table` first when one is
-   given (an absorbed chain's), and with the MaxPooling2D `pool` or the
+   given (an absorbed chain's; dynamic range: each element through the
+   ops of `chain`, mpt__q_dynamic_chain's), and with the MaxPooling2D `pool` or the
    ADD `add` after it (reading `other`) when one is given, y then their
    output; returns whether it ran. Dynamic range
    quantizes each sample first, as mpt__q_conv does, and leaves a batch
@@ -36002,8 +36156,8 @@ static int mpt__q_dynamic_input(mpt_context *ctx, const mpt__qop *op, const void
    each. */
 static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *pool,
                           const mpt__qop *add, const int8_t *other, mpt__qexec ex,
-                          const void *x, const int8_t *table, void *y, int64_t n,
-                          mpt__qwork *w) {
+                          const void *x, const int8_t *table, const mpt__qop *chain, void *y,
+                          int64_t n, mpt__qwork *w) {
     const mpt__win *g = &op->g;
     mpt__qconv_job j;
     int64_t fit, want;
@@ -36027,7 +36181,7 @@ static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *
     want = MPT__MAX(1, MPT__MIN(want, j.orows * j.ocols * j.win * j.win / (2 * j.pix)));
     j.rows = MPT__MIN(fit, (j.orows + want - 1) / want);
     j.parts = (j.orows + j.rows - 1) / j.rows;
-    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale))
+    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale, chain))
         return 0;
     mpt__parallel_for(ctx, n * j.parts, mpt__qconv_task, &j);
     return 1;
@@ -36319,7 +36473,7 @@ static int mpt__q_direct_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
         for (q = 0; q < per_row; q++) j.off[r * per_row + q] = (int32_t)(r * j.wp + 4 * q);
     need = (j.hp * j.wp + 63) / 64 * 64 + 4 * j.owp * j.npad;
     if ((double)j.hp * (double)j.wp > 1e9 || need > (int64_t)MPT__THREAD_SCRATCH_BYTES) return 0;
-    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale))
+    if (ex == MPT__QX_DYNAMIC && !mpt__q_dynamic_input(ctx, op, x, n, w, &j.x, &j.scale, NULL))
         return 0;
     mpt__parallel_for(ctx, n, mpt__q_direct_task, &j);
     *ran_pool = j.pool != NULL;
@@ -36606,16 +36760,19 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
         const void *in = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
         void *y = mpt__q_tensor_at(Q, w, x, i + 1);
         pooled = 0;
-        if (ex == MPT__QX_INTEGER && op->absorbed_by &&
-            mpt__qconv_takes(ctx, &Q->ops[op->absorbed_by - 1], ex)) {
-            i += op->chained; /* the Conv2D after it looks the chain's table up */
+        if (op->absorbed_by &&
+            ((ex == MPT__QX_INTEGER && mpt__qconv_takes(ctx, &Q->ops[op->absorbed_by - 1], ex)) ||
+             mpt__q_dynamic_chain(ctx, Q, op->absorbed_by - 1, ex) == op)) {
+            i += op->chained; /* the Conv2D after it looks the chain's table up
+                                 (dynamic range: runs it as it quantizes) */
             continue;
         }
         if (op->info.op == MPT_QOP_CONV_2D && mpt__qconv_takes(ctx, op, ex)) {
             /* from its windows: the chain it absorbs looked up as it copies
                them, the MaxPooling2D after it taken with it */
+            const mpt__qop *chain = mpt__q_dynamic_chain(ctx, Q, i, ex);
             const mpt__qop *head = ex == MPT__QX_INTEGER && op->absorbs
-                                       ? &Q->ops[op->absorbs - 1] : NULL;
+                                       ? &Q->ops[op->absorbs - 1] : chain;
             const mpt__qop *pool = mpt__qconv_pool(Q, i);
             const mpt__qop *add = ex == MPT__QX_INTEGER && op->fuse_add && Q->ops[i + 1].pair_lut
                                       ? &Q->ops[i + 1] : NULL;
@@ -36624,12 +36781,15 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
                                          Q, w, x, add->in_t[2 - op->fuse_add])
                                    : NULL,
                                ex, head ? mpt__q_tensor_at(Q, w, x, head->in_t[0]) : in,
-                               head ? head->chain_lut : NULL,
+                               head && !chain ? head->chain_lut : NULL, chain,
                                pool || add ? mpt__q_tensor_at(Q, w, x, i + 2) : y, n, w)) {
                 i += pool || add; /* ran with it */
                 continue;
             }
-            if (head) /* it runs unless a dynamic sample's scale is not finite */
+            if (chain) /* a sample's scale was not finite: the chain in place, then as ever */
+                mpt__q_run_graph_op(ctx, Q, op->absorbs - 1, ex, x,
+                                    mpt__q_tensor_at(Q, w, x, op->absorbs), n, w);
+            else if (head) /* integer: it runs */
                 return mpt__fail(ctx, MPT_ERR_STATE, "quantized model: '%s' did not run from "
                                  "its windows", op->name);
         }

@@ -74,7 +74,7 @@ static void round_weights_to_half(mpt_context *ctx, mpt_model *m) {
 }
 
 enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE, MODEL_RESIDUAL, MODEL_MERGES,
-       MODEL_BN_CHAIN, MODEL_BN_GRAPH };
+       MODEL_BN_CHAIN, MODEL_BN_GRAPH, MODEL_BN_CHAIN16 };
 
 /* Whether a kind is built as a graph (add_graph). */
 static int is_graph(int kind) {
@@ -90,7 +90,10 @@ static int is_graph(int kind) {
    over more channels than a block of its int32 sums. BN_CHAIN, the seed
    cnn's BatchNormalizations that do not fold: Conv2D(relu) →
    BatchNormalization → Conv2D(relu) → MaxPooling2D → Flatten →
-   Dense(relu) → BatchNormalization → Dropout → Dense(softmax). */
+   Dense(relu) → BatchNormalization → Dropout → Dense(softmax).
+   BN_CHAIN16: Conv2D(16, relu) → BatchNormalization → Conv2D(relu) →
+   Flatten → Dense(softmax), the chain over 16 channels (which the dynamic
+   pass runs inside the second Conv2D's quantization). */
 static void add_graph(mpt_model *m, int kind);
 
 static void add_layers(mpt_model *m, int kind) {
@@ -132,6 +135,16 @@ static void add_layers(mpt_model *m, int kind) {
                                                    .strides = {2, 2},
                                                    .activation = MPT_ACT_RELU});
         mpt_model_add_global_average_pooling2d(m, NULL);
+        mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
+                                                 .activation = MPT_ACT_SOFTMAX});
+    } else if (kind == MODEL_BN_CHAIN16) {
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 16, .kernel_size = {3, 3},
+                                                   .padding = MPT_PADDING_SAME,
+                                                   .activation = MPT_ACT_RELU});
+        mpt_model_add_batch_normalization(m, NULL);
+        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {3, 3},
+                                                   .activation = MPT_ACT_RELU});
+        mpt_model_add_flatten(m, NULL);
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
                                                  .activation = MPT_ACT_SOFTMAX});
     } else if (kind == MODEL_WIDE) {
@@ -1772,9 +1785,10 @@ static void test_quantize_input_lanes(void) {
 
 /* The dynamic products' rows quantized with AVX-512 (where the CPU has
    it) against the C loop: the same codes and scales, bit for bit, on rows
-   of every length from 1 to 40 and of 256, with ties (127·k/2 of a row
-   whose largest is 127), zeros, a row of zeros, and rows holding inf or
-   NaN (left to the C loop). */
+   of every length from 1 to 40 and of 101, 208 and 256 (the largest
+   sought four vectors a step, then the tail's), with ties (127·k/2 of a
+   row whose largest is 127), zeros, a row of zeros, and rows holding inf
+   or NaN (left to the C loop). */
 static void test_symmetric_rows_lanes(void) {
     enum { ROWS = 12, MAXC = 256 };
     static float x[ROWS * MAXC];
@@ -1784,8 +1798,8 @@ static void test_symmetric_rows_lanes(void) {
     int64_t length, cols, k;
     int v, off = 0;
     test_seed(63);
-    for (length = 1; length <= 41; length++) {
-        cols = length <= 40 ? length : MAXC;
+    for (length = 1; length <= 43; length++) {
+        cols = length <= 40 ? length : length == 41 ? MAXC : length == 42 ? 101 : 208;
         for (k = 0; k < ROWS * cols; k++) x[k] = (float)test_uniform(-3.0, 3.0);
         for (k = 0; k < cols; k++) x[k] = k == 0 ? 127.0f : (float)(k % 255 - 127) * 0.5f; /* ties */
         for (k = 0; k < cols; k++) x[cols + k] = 0.0f;
@@ -3287,15 +3301,16 @@ static void test_conv_from_windows(void) {
    MULs and ADDs as one table, merges over the threads) are those of its
    operations run one by one on buffers of their own (mpt__q_run_op's
    im2col and products, mpt__q_binary), bit for bit: the batch and one
-   sample, on 1 and 2 threads. */
+   sample, on 1 and 2 threads; BN_CHAIN16 in dynamic range also with an
+   inf in its first sample. */
 /* RESIDUAL's two ADDs (the Conv2D's output their first input, then their
    second), BN_GRAPH's one and MERGES' Average's first (of the shared
    Conv2D's two calls). */
 #define ADDS_AFTER_CONV 4
 static void test_forward_as_ops_one_by_one(void) {
-    static const int kinds[] = {MODEL_CNN,    MODEL_GAP,      MODEL_RESIDUAL,
-                                MODEL_MERGES, MODEL_BN_CHAIN, MODEL_BN_GRAPH};
-    int ki, threads, dynamic, chains = 0, absorbed = 0, adds = 0;
+    static const int kinds[] = {MODEL_CNN,      MODEL_GAP,      MODEL_RESIDUAL,  MODEL_MERGES,
+                                MODEL_BN_CHAIN, MODEL_BN_GRAPH, MODEL_BN_CHAIN16};
+    int ki, threads, dynamic, poison, chains = 0, absorbed = 0, adds = 0, fused = 0;
     make_samples(31);
     for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
         for (threads = 1; threads <= 2; threads++) {
@@ -3320,13 +3335,21 @@ static void test_forward_as_ops_one_by_one(void) {
                     absorbed += Q->ops[i].absorbs && mpt__qconv_takes(ctx, &Q->ops[i], ex);
                     adds += Q->ops[i].fuse_add && mpt__qconv_takes(ctx, &Q->ops[i], ex);
                 }
+                for (i = 0; dynamic && i < Q->n_ops; i++)
+                    fused += mpt__q_dynamic_chain(ctx, Q, i, ex) != NULL;
                 CHECK(Q->n_ops < 64 && mpt__qwork_reuse(ctx, Q, N_SAMPLES, &w) == MPT_OK, "work");
                 buf[0] = malloc((size_t)(N_SAMPLES * Q->in_count) * es);
                 for (k = 0; k < N_SAMPLES * Q->in_count; k++)
                     if (dynamic) ((float *)buf[0])[k] = sample_x[k];
                     else ((int8_t *)buf[0])[k] = mpt__q_quantize(sample_x[k], &Q->tensor[0]);
+                /* poison: BN_CHAIN16's sample 0 all FLT_MAX (dynamic range:
+                   the first Conv2D's outputs overflow, the second Conv2D's
+                   input holds an inf, its scale is not finite, and the chain
+                   it would run is written first) */
+                for (poison = 0; poison <= (dynamic && kinds[ki] == MODEL_BN_CHAIN16); poison++)
                 for (n = N_SAMPLES; w && n >= 1; n = n == 1 ? 0 : 1) {
                     const void *out = NULL;
+                    for (k = 0; poison && k < Q->in_count; k++) ((float *)buf[0])[k] = FLT_MAX;
                     unsigned char *got = (unsigned char *)malloc((size_t)(n * per));
                     for (i = 0; i < Q->n_ops; i++) /* one by one */
                         buf[i + 1] = malloc((size_t)(n * Q->ops[i].out_count) * es);
@@ -3347,15 +3370,22 @@ static void test_forward_as_ops_one_by_one(void) {
                             CHECK(mpt__q_run_op(ctx, Q, i, ex, xs[0], buf[i + 1], n, w) == MPT_OK,
                                   "op %d", i);
                     }
+                    for (i = 0; poison && i < Q->n_ops; i++) {
+                        const float *in = (const float *)buf[Q->ops[i].in_t[0]];
+                        int infinite = 0;
+                        if (!mpt__q_dynamic_chain(ctx, Q, i, ex)) continue;
+                        for (k = 0; k < Q->ops[i].in_count; k++) infinite |= isinf(in[k]);
+                        CHECK(infinite, "the poisoned sample's Conv2D %d reads no inf", i);
+                    }
                     CHECK(mpt__q_forward(ctx, Q, ex, buf[0], n, w, NULL, &out) == MPT_OK,
                           "forward: %s", mpt_context_error(ctx));
                     if (out) memcpy(got, out, (size_t)(n * per));
                     for (k = 0; out && k < n * per; k++)
                         diff += got[k] != ((const unsigned char *)buf[Q->out_t])[k];
-                    CHECK(out && diff == 0, "model %d, %s, %d threads, %lld samples: %lld of %lld "
-                          "bytes differ from the operations one by one", kinds[ki],
-                          dynamic ? "dynamic range" : "full integer", threads, (long long)n,
-                          (long long)diff, (long long)(n * per));
+                    CHECK(out && diff == 0, "model %d, %s%s, %d threads, %lld samples: %lld of "
+                          "%lld bytes differ from the operations one by one", kinds[ki],
+                          dynamic ? "dynamic range" : "full integer", poison ? " (an inf)" : "",
+                          threads, (long long)n, (long long)diff, (long long)(n * per));
                     for (i = 0; i < Q->n_ops; i++) free(buf[i + 1]);
                     free(got);
                 }
@@ -3367,13 +3397,15 @@ static void test_forward_as_ops_one_by_one(void) {
             mpt_model_destroy(m);
             mpt_context_destroy(ctx);
         }
-    CHECK(chains == 2 * (2 + 3), "%d chains of per-channel MULs and ADDs, want 2 + 3 (a run "
-          "on 1 and 2 threads each)", chains);
-    /* BN_CHAIN's first and BN_GRAPH's on the input, looked up as their Conv2D copies rows */
+    CHECK(chains == 2 * (2 + 3 + 1), "%d chains of per-channel MULs and ADDs, want 2 + 3 + 1 "
+          "(a run on 1 and 2 threads each)", chains);
+    /* BN_CHAIN's first, BN_GRAPH's on the input and BN_CHAIN16's, looked up as
+       their Conv2D copies rows; BN_CHAIN16's run in its dynamic quantization */
     if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) && (mpt__detect_cpu() & MPT_CPU_AVX512))
-        CHECK(absorbed == 2 * 2 && adds == 2 * ADDS_AFTER_CONV,
-              "%d chains absorbed by the Conv2D after them (want 2 + 2), %d ADDs run with the "
-              "Conv2D before them (want %d)", absorbed, adds, 2 * ADDS_AFTER_CONV);
+        CHECK(absorbed == 2 * 3 && adds == 2 * ADDS_AFTER_CONV && fused == 2,
+              "%d chains absorbed by the Conv2D after them (want 2 + 3), %d ADDs run with the "
+              "Conv2D before them (want %d), %d chains run in a dynamic quantization (want 2)",
+              absorbed, adds, 2 * ADDS_AFTER_CONV, fused);
 }
 
 /* ---- several inputs and outputs ------------------------------------------------------ */

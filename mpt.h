@@ -28379,7 +28379,12 @@ static void mpt__activation_forward_cpu(int cpu, mpt_activation act, float *x, i
    block 1 MiB, Zen 4's L2 per core. (Measured on Zen 4: KC 512 / NC 512
    beat 256 and 384 by 3-10%, mostly by writing C fewer times.) K is cut
    into equal blocks of at most KC (a multiple of 8), which depends on K
-   only, never on the thread count.
+   only, never on the thread count. A shallower block (or bfloat16 pairs,
+   two depths a lane) fills the same 1 MiB with more columns: nc grows as
+   the packed depth shrinks, so A's rows are packed (read from memory)
+   once for that many columns, not once per 512 (a 4096×1024×256 product
+   packs its 4 MiB A once, not twice). nc only orders the loops: every
+   element of C sees the same depth blocks and kernel either way.
 
    PACKING. Everything is packed into the thread's scratch memory (1 MiB
    of B block and a 24 KiB A panel out of MPT__THREAD_SCRATCH_BYTES; a
@@ -28408,7 +28413,8 @@ static void mpt__activation_forward_cpu(int cpu, mpt_activation act, float *x, i
    or K = 0 reads neither A nor B, as BLAS does. */
 
 #define MPT__GEMM_KC 512 /* depth block (max)                    */
-#define MPT__GEMM_NC 512 /* columns of C per packed B block (max) */
+#define MPT__GEMM_NC 512 /* columns of C per packed B block at KC float32
+                            depths; KC·NC 32-bit lanes at any depth       */
 /* Below this many multiply-adds a product runs on the calling thread. */
 #define MPT__GEMM_SERIAL_FMAS ((int64_t)1 << 20)
 
@@ -28504,6 +28510,12 @@ static mpt__task_rect mpt__gemm_task_rect(int64_t task, int64_t tasks_n, int64_t
     return r;
 }
 
+/* The 32-bit lanes a packed panel holds per column for kb depths: kb,
+   or kb/2 bfloat16 pairs (an odd last depth padded). */
+static int64_t mpt__gemm_packed_depth(const mpt__gemm_job *job, int64_t kb) {
+    return job->pairs ? (kb + 1) / 2 : kb;
+}
+
 static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
     const mpt_gemm_desc *d = job->d;
@@ -28511,9 +28523,10 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     const mpt__task_rect r = mpt__gemm_task_rect(task, job->tasks_n, job->task_rows,
                                                  job->task_cols, d->m, d->n);
     const int64_t i0 = r.i0, i1 = r.i1, j0 = r.j0, j1 = r.j1;
-    /* Scratch: the B block (kc × nc), then one A panel (kc × mr). */
+    /* Scratch: the B block (kc × nc, kc/2 × nc in pairs), then one A
+       panel (kc × mr). */
     float *bpack = (float *)mpt__thread_scratch(job->ctx, thread);
-    float *apack = bpack + job->kc * job->nc;
+    float *apack = bpack + mpt__gemm_packed_depth(job, job->kc) * job->nc;
     /* Element (i, k) of op(A) is at i·a_ls + k·a_ks; (k, j) of op(B) at
        j·b_ls + k·b_ks. */
     const int64_t a_ls = d->trans_a ? 1 : d->lda, a_ks = d->trans_a ? d->lda : 1;
@@ -28528,7 +28541,7 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
         const int64_t nb = MPT__MIN(job->nc, j1 - jc);
         for (pc = 0; pc < d->k; pc += job->kc) {
             const int64_t kb = MPT__MIN(job->kc, d->k - pc);
-            const int64_t kstore = job->pairs ? (kb + 1) / 2 : kb; /* packed depth */
+            const int64_t kstore = mpt__gemm_packed_depth(job, kb);
             const int first = pc == 0, last = pc + kb >= d->k;
             mpt__gemm_epi e;
             e.alpha = job->alpha;
@@ -28690,7 +28703,10 @@ static void mpt__gemm_job_init(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dty
     }
 #endif
     job.kc = mpt__gemm_depth_block(d->k);
-    job.nc = MPT__GEMM_NC;
+    /* The B block's KC·NC lanes (1 MiB) over its packed depth, in whole
+       panels: NC at the deepest float32 block, more columns below it. */
+    job.nc = (int64_t)MPT__GEMM_KC * MPT__GEMM_NC / mpt__gemm_packed_depth(&job, job.kc) /
+             job.nr * job.nr;
     *job_out = job;
 }
 

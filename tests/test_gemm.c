@@ -220,10 +220,13 @@ static void test_random_shapes(void) {
 }
 
 /* Larger shapes: several K blocks (K > 256, odd K for the bfloat16 pairs),
-   several column blocks and tasks, the model shapes in small. */
+   several column blocks and tasks, the model shapes in small. A shallow K
+   widens the column block (1 MiB of packed B): N = 4200 at K = 300 still
+   takes several, the later ones starting past any multiple of 512. */
 static void test_large_shapes(void) {
     static const struct { int64_t m, n, k; } shapes[] = {
         {257, 513, 129}, {65, 600, 777}, {128, 10, 1024}, {300, 32, 9}, {9, 32, 2000},
+        {20, 4200, 300},
     };
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
     int pi, si, di;

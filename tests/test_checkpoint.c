@@ -917,7 +917,7 @@ static mpt_status compile_fixed(mpt_model *m, float scale) {
 /* A full checkpoint carries its policy's training state (a float16 run's
    loss scale): another policy's model refuses it, and load_weights moves
    the weights across policies. */
-static void test_policies(void) {
+static void test_policies_across(void) {
     static const mpt_policy others[] = {MPT_POLICY_MIXED_BFLOAT16, MPT_POLICY_FLOAT32};
     static const char *const names[] = {"mixed_bfloat16", "float32"};
     mpt_model *src = make_f16_adam(51), *m;
@@ -2012,7 +2012,7 @@ static void run_cases(void) {
     test_mismatches();
     test_counter_bounds();
     test_bad_values();
-    test_policies();
+    test_policies_across();
     test_malformed();
     test_crash_safety();
     TEST_RUN(test_stale_temporaries);

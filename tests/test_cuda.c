@@ -3223,7 +3223,8 @@ static double train_ids(const char *graphs, int32_t *x, int32_t *y, const char *
     if (*status == MPT_OK) *status = mpt_model_fit(m, d, &fd);
     if (*status == MPT_OK) acc = history_value(m, "accuracy", -1);
     if (*status == MPT_OK && path) *status = mpt_model_save_weights(m, path);
-    snprintf(why, why_size, "%s (%s)", mpt_context_error(c), mpt_context_backend(c, NULL)->name);
+    snprintf(why, why_size, "%.900s (%.60s)", mpt_context_error(c),
+             mpt_context_backend(c, NULL)->name); /* each part bounded: both fit in why */
     mpt_model_destroy(m);
     mpt_dataset_destroy(d);
     mpt_context_destroy(c);

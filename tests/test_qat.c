@@ -579,6 +579,47 @@ static double one_step_in(const mpt_model *q, const char *name) {
     return worst;
 }
 
+/* The learned ranges of a model of several inputs travel in its weights
+   file: a fresh two_branch made quantization-aware that loads m's file
+   converts to q's int8 model, each input's quantization and every output
+   byte the same (in8: q's outputs on d). */
+static void converted_from_file(mpt_model *m, const mpt_model *q, const mpt_dataset *d,
+                                const mpt_tensor in8[2]) {
+    mpt_context *ctx = m->ctx;
+    char path[] = "/tmp/mpt_test_qat_XXXXXX";
+    mpt_model *fresh = two_branch(ctx), *q2 = NULL;
+    mpt_tensor again[2];
+    mpt_quantized_info a, b;
+    int fd = mkstemp(path), k, same = 1;
+    memset(again, 0, sizeof again);
+    CHECK(fd >= 0, "temporary file");
+    if (fd >= 0) close(fd);
+    CHECK(mpt_model_save_weights(m, path) == MPT_OK &&
+              mpt_model_quantize_aware(fresh, &(mpt_qat_desc){.ema_decay = 0.9f}) == MPT_OK &&
+              mpt_model_load_weights(fresh, path) == MPT_OK &&
+              mpt_model_quantize(fresh, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER},
+                                 &q2) == MPT_OK &&
+              mpt_model_predict_outputs(q2, d, 32, 2, again) == MPT_OK,
+          "from the file: %s", mpt_context_error(ctx));
+    if (q2) {
+        mpt_model_quantized_info(q, &a);
+        mpt_model_quantized_info(q2, &b);
+        for (k = 0; k < 2; k++)
+            CHECK(a.inputs[k].scale == b.inputs[k].scale &&
+                      a.inputs[k].zero_point == b.inputs[k].zero_point,
+                  "input %d from the file: (%g, %d), the converted model's (%g, %d)", k,
+                  (double)b.inputs[k].scale, (int)b.inputs[k].zero_point,
+                  (double)a.inputs[k].scale, (int)a.inputs[k].zero_point);
+    }
+    for (k = 0; k < 2; k++)
+        same &= again[k].data && memcmp(again[k].data, in8[k].data, mpt_tensor_bytes(&in8[k])) == 0;
+    CHECK(same, "the int8 model converted from the file predicts other bytes");
+    for (k = 0; k < 2; k++) mpt_tensor_free(ctx, &again[k]);
+    remove(path);
+    mpt_model_destroy(q2);
+    mpt_model_destroy(fresh);
+}
+
 /* A model of two inputs and two outputs trains quantization-aware: the
    added input is fake-quantized with a range of its own (what its Dense
    reads lies on that range's grid), the conversion quantizes each input
@@ -666,6 +707,7 @@ static void test_several_inputs_and_outputs(void) {
                 printf("  output %d: %.3f steps apart (bound %.3f)\n", k, apart, bound);
         }
     }
+    if (q && in8[0].data && in8[1].data) converted_from_file(m, q, d, in8);
     for (k = 0; k < 2; k++) mpt_tensor_free(ctx, &fq[k]), mpt_tensor_free(ctx, &in8[k]);
     mpt_model_destroy(q);
     mpt_model_destroy(m);

@@ -1400,6 +1400,29 @@ static const char *write_multi_script(char *buf) {
     return buf;
 }
 
+/* multi_io_model with random weights (seed), its N_SAMPLES images in x
+   (uniform in [0, 1)) and vectors in v (in [-1, 1)) wrapped by tx and tv,
+   and a dataset of both in *data (NULL if it could not be made); NULL
+   when the model could not be made. */
+static mpt_model *multi_io_with_inputs(unsigned seed, float *x, float *v, mpt_tensor *tx,
+                                       mpt_tensor *tv, mpt_dataset **data) {
+    const mpt_tensor *inputs[2] = {tx, tv};
+    mpt_model *m;
+    int i;
+    test_seed(seed);
+    m = multi_io_model();
+    CHECK(m != NULL, "model: %s", mpt_context_error(ctx));
+    if (!m) return NULL;
+    randomize(m);
+    for (i = 0; i < N_SAMPLES * SAMPLE; i++) x[i] = (float)test_uniform(0, 1);
+    for (i = 0; i < N_SAMPLES * MULTI_VEC; i++) v[i] = (float)test_uniform(-1, 1);
+    mpt_tensor_wrap(ctx, tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
+    mpt_tensor_wrap(ctx, tv, MPT_FLOAT32, 2, (int64_t[]){N_SAMPLES, MULTI_VEC}, v);
+    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = inputs, .input_count = 2},
+                             data) == MPT_OK, "dataset: %s", mpt_context_error(ctx));
+    return m;
+}
+
 /* A model of two inputs and three outputs (one of them read by the other
    two), exported to both formats with float32 and float16 weights: each
    runtime's outputs, fed by input name, are predict_outputs' within
@@ -1415,26 +1438,16 @@ static void test_several_inputs_and_outputs(void) {
     static const char *const fmts[2] = {"tflite", "onnx"};
     mpt_model *m;
     mpt_tensor tx, tv, outs[3];
-    const mpt_tensor *inputs[2] = {&tx, &tv};
     mpt_dataset *data = NULL;
     char script[256], x_path[256], v_path[256], y_path[256], file[256], cmd[1600], name[64];
     int i, k, w, widths[3] = {10, 1, 16};
     FILE *f;
     if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) return;
-    test_seed(77);
-    m = multi_io_model();
-    CHECK(m != NULL, "model: %s", mpt_context_error(ctx));
+    m = multi_io_with_inputs(77, x, v, &tx, &tv, &data);
     if (!m) return;
-    randomize(m);
-    for (i = 0; i < N_SAMPLES * SAMPLE; i++) x[i] = (float)test_uniform(0, 1);
-    for (i = 0; i < N_SAMPLES * MULTI_VEC; i++) v[i] = (float)test_uniform(-1, 1);
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
-    mpt_tensor_wrap(ctx, &tv, MPT_FLOAT32, 2, (int64_t[]){N_SAMPLES, MULTI_VEC}, v);
     memset(outs, 0, sizeof outs);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = inputs, .input_count = 2},
-                             &data) == MPT_OK &&
-              mpt_model_predict_outputs(m, data, 16, 3, outs) == MPT_OK,
-          "predict: %s", mpt_context_error(ctx));
+    CHECK(data && mpt_model_predict_outputs(m, data, 16, 3, outs) == MPT_OK, "predict: %s",
+          mpt_context_error(ctx));
     for (i = 0; i < N_SAMPLES; i++) /* a sample's outputs side by side, as the script writes */
         for (k = 0, w = 0; k < 3; w += widths[k], k++)
             if (outs[k].data)
@@ -1565,23 +1578,13 @@ static void test_several_inputs_and_outputs_quantized(void) {
     const int widths[3] = {10, 1, 16};
     mpt_model *m;
     mpt_tensor tx, tv, outs[3];
-    const mpt_tensor *inputs[2] = {&tx, &tv};
     mpt_dataset *data = NULL;
     char x_path[256], v_path[256], file[256], name[64];
     int i, k, w, mode;
     FILE *f;
     if (!test_python_imports("numpy, onnx, onnxruntime, ai_edge_litert.interpreter")) return;
-    test_seed(78);
-    m = multi_io_model();
-    CHECK(m != NULL, "model: %s", mpt_context_error(ctx));
+    m = multi_io_with_inputs(78, x, v, &tx, &tv, &data);
     if (!m) return;
-    randomize(m);
-    for (i = 0; i < N_SAMPLES * SAMPLE; i++) x[i] = (float)test_uniform(0, 1);
-    for (i = 0; i < N_SAMPLES * MULTI_VEC; i++) v[i] = (float)test_uniform(-1, 1);
-    mpt_tensor_wrap(ctx, &tx, MPT_FLOAT32, 4, (int64_t[]){N_SAMPLES, 28, 28, 1}, x);
-    mpt_tensor_wrap(ctx, &tv, MPT_FLOAT32, 2, (int64_t[]){N_SAMPLES, MULTI_VEC}, v);
-    CHECK(mpt_dataset_create(ctx, &(mpt_dataset_desc){.inputs = inputs, .input_count = 2},
-                             &data) == MPT_OK, "dataset: %s", mpt_context_error(ctx));
     f = fopen(path_of(x_path, "multi_x.bin"), "wb");
     if (f) fwrite(x, sizeof(float), N_SAMPLES * SAMPLE, f), fclose(f);
     f = fopen(path_of(v_path, "multi_v.bin"), "wb");

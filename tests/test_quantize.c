@@ -96,16 +96,23 @@ static int is_graph(int kind) {
    pass runs inside the second Conv2D's quantization). */
 static void add_graph(mpt_model *m, int kind);
 
+/* The BatchNormalization chains' start: a ReLU Conv2D of `filters`
+   (same padding), the BatchNormalization the next Conv2D's quantization
+   runs as a per-channel chain, then a ReLU Conv2D of 5 filters. */
+static void add_conv_bn_conv(mpt_model *m, int64_t filters) {
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = filters, .kernel_size = {3, 3},
+                                               .padding = MPT_PADDING_SAME,
+                                               .activation = MPT_ACT_RELU});
+    mpt_model_add_batch_normalization(m, NULL);
+    mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {3, 3},
+                                               .activation = MPT_ACT_RELU});
+}
+
 static void add_layers(mpt_model *m, int kind) {
     if (is_graph(kind)) {
         add_graph(m, kind);
     } else if (kind == MODEL_BN_CHAIN) {
-        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 6, .kernel_size = {3, 3},
-                                                   .padding = MPT_PADDING_SAME,
-                                                   .activation = MPT_ACT_RELU});
-        mpt_model_add_batch_normalization(m, NULL);
-        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {3, 3},
-                                                   .activation = MPT_ACT_RELU});
+        add_conv_bn_conv(m, 6);
         mpt_model_add_max_pooling2d(m, NULL);
         mpt_model_add_flatten(m, NULL);
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = 12, .activation = MPT_ACT_RELU});
@@ -138,12 +145,7 @@ static void add_layers(mpt_model *m, int kind) {
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
                                                  .activation = MPT_ACT_SOFTMAX});
     } else if (kind == MODEL_BN_CHAIN16) {
-        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 16, .kernel_size = {3, 3},
-                                                   .padding = MPT_PADDING_SAME,
-                                                   .activation = MPT_ACT_RELU});
-        mpt_model_add_batch_normalization(m, NULL);
-        mpt_model_add_conv2d(m, &(mpt_conv2d_desc){.filters = 5, .kernel_size = {3, 3},
-                                                   .activation = MPT_ACT_RELU});
+        add_conv_bn_conv(m, 16);
         mpt_model_add_flatten(m, NULL);
         mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
                                                  .activation = MPT_ACT_SOFTMAX});

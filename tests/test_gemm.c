@@ -18,6 +18,8 @@
 #include "mpt.h"
 #include "helpers.h"
 
+static char tmpdir[512]; /* the cases' files: test_main makes it and removes it */
+
 static const char *path_name(int cpu) {
     if (cpu & MPT_CPU_AVX512_BF16) return "avx512bf16";
     if (cpu & MPT_CPU_AVX512) return "avx512";
@@ -751,11 +753,12 @@ static mpt_model *plan_model(mpt_context *c, uint64_t seed) {
    which reads them without touching m's version) predicts; a second
    predict keeps the same packed weights. */
 static void plan_expect_fresh(mpt_context *c, mpt_model *m, mpt_dataset *d, const char *after) {
-    const char *path = "build/test_gemm_plan_fresh.safetensors";
+    char path[600];
     mpt_model *fresh = plan_model(c, 99);
     mpt_tensor pa, pb;
     uint64_t version;
     int64_t i = 0;
+    snprintf(path, sizeof path, "%s/plan_fresh.safetensors", tmpdir);
     memset(&pa, 0, sizeof pa), memset(&pb, 0, sizeof pb);
     CHECK(mpt_model_predict(m, d, PLAN_BATCH, &pa) == MPT_OK, "predict: %s", mpt_context_error(c));
     CHECK(m->predict_plan != NULL, "after %s: predict kept no packed weights", after);
@@ -782,12 +785,14 @@ static void test_predict_plan(void) {
     mpt_context *c = path_ctx(2, 0);
     static float x[PLAN_SAMPLES * PLAN_FEATURES];
     static int32_t y[PLAN_SAMPLES];
-    const char *wpath = "build/test_gemm_plan.safetensors", *cpath = "build/test_gemm_plan.ckpt";
+    char wpath[600], cpath[600];
     mpt_model *m, *other;
     mpt_dataset *d;
     mpt_fit_desc f = fit_for(1, PLAN_BATCH);
     mpt_param_info info;
     int64_t i;
+    snprintf(wpath, sizeof wpath, "%s/plan.safetensors", tmpdir);
+    snprintf(cpath, sizeof cpath, "%s/plan.ckpt", tmpdir);
     test__begin();
     if (!c) {
         CHECK(0, "context creation failed");
@@ -879,7 +884,7 @@ static void test_bad_arguments(void) {
     mpt_context_destroy(ctx);
 }
 
-int main(void) {
+static void cases(void) {
     TEST_RUN(test_bad_arguments);
     TEST_RUN(test_empty);
     test_random_shapes();
@@ -892,5 +897,10 @@ int main(void) {
     test_strips_b();
     test_half_kept();
     test_predict_plan();
-    return test_summary("test_gemm");
+}
+
+int main(void) {
+    return test_main(&(test_program){.name = "test_gemm", .tmpdir = tmpdir,
+                                      .tmpdir_size = sizeof tmpdir,
+                                      .keep_env = "MPT_KEEP_TEST_FILES", .cases = cases});
 }

@@ -2747,10 +2747,16 @@ typedef struct mpt_quantized_info {
     int n_layers;                  /* the operations                           */
     /* What a file holds: weights (1 byte each, 2 in float16), biases (4),
        and per channel scales (4) in the int8 modes; constants per channel
-       (4 each; 1, and their scale, in full integer). In memory a float16
-       model also keeps, made once for predict, its Dense weights
-       transposed (2 bytes each) and its Conv2D kernels widened (4). */
+       (4 each; 1, and their scale, in full integer). TFLite's file size. */
     int64_t size_bytes;
+    /* float16: what the model holds in memory besides size_bytes, made
+       once from the weights so that predict converts nothing: each
+       Dense's kernel as half strips (2 bytes a weight; none where its
+       product has no few-rows path) and float32 panels (4 bytes a weight,
+       its columns rounded up to whole panels), each Conv2D's kernel
+       widened (4 bytes a weight). 0 in the int8 modes (their weights
+       packed for the int8 kernels are not counted). */
+    int64_t kept_bytes;
 } mpt_quantized_info;
 
 /* MPT_ERR_STATE when m is not quantized. */
@@ -29028,6 +29034,17 @@ static void mpt__gemm_half_kept_free(const mpt_context *ctx, mpt__gemm_half_kept
     mpt__free(ctx, h);
 }
 
+/* The bytes p's panels or strips take. */
+static int64_t mpt__gemm_packed_bytes(const mpt__gemm_packed *p) {
+    if (!p) return 0;
+    return p->strips ? p->k * p->n * (int64_t)mpt_dtype_size(p->b_dtype) : 4 * p->k * p->cols;
+}
+
+/* The bytes h keeps (strips and panels); 0 for NULL. */
+static int64_t mpt__gemm_half_kept_bytes(const mpt__gemm_half_kept *h) {
+    return h ? mpt__gemm_packed_bytes(h->strips) + mpt__gemm_packed_bytes(h->panels) : 0;
+}
+
 /* d's B (float16, not transposed, k and n > 0; d->m not looked at) kept
    as above, from ctx's allocator (mpt__gemm_half_kept_free); NULL when it
    cannot allocate. Nothing is read from d->b afterwards: the caller may
@@ -33849,10 +33866,10 @@ typedef struct mpt__qop {
     mpt__gemm_half_kept *wh_kept; /* float16 mode's Dense: wh as (K, N) kept for
                                   the GEMM (mpt__gemm_keep_half_b): in half
                                   strips for a sample or four, widened into
-                                  panels for more (not counted in size_bytes:
-                                  what a predict holds)                       */
+                                  panels for more (counted in kept_bytes)     */
     float *kernel;             /* (kh, kw, C, F) float16 mode's Conv2D: wh widened
-                                  once into the direct convolution's layout    */
+                                  once into the direct convolution's layout
+                                  (counted in kept_bytes)                      */
     struct mpt__q_kept_ws *conv_ws; /* float16 mode's Conv2D: the direct product's
                                   workspace, kept from call to call (not counted
                                   in size_bytes), or NULL                       */
@@ -33917,7 +33934,6 @@ struct mpt__quantized {
        (mpt__q_tensors_alloc): n_in − 1 + n_ops + 1 entries. */
     int n_in;
     mpt_quant_params *tensor;   /* each tensor's quantization                   */
-    int out_t;                  /* the tensor that is output 0 (outs[0])         */
     int n_out, outs[MPT_MAX_OUTPUTS]; /* the model's outputs, in its order     */
     char out_name[MPT_MAX_OUTPUTS][64]; /* their layers' names (the files')   */
     /* Where each tensor lives in a batch (mpt__q_plan): a reshape's output
@@ -33934,7 +33950,7 @@ struct mpt__quantized {
     char in_name[MPT_MAX_INPUTS][64];
     int64_t max_count;          /* of the largest tensor of one sample           */
     int64_t max_cols;           /* of the largest conv's im2col rows, one sample */
-    int64_t size_bytes;
+    int64_t size_bytes, kept_bytes; /* mpt_quantized_info's            */
     mpt__qwork work;            /* the last call's scratch, kept for the next
                                    (mpt__qwork_reuse); block NULL: none yet   */
 };
@@ -34701,7 +34717,6 @@ static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
         Q->outs[k] = node_t[mpt__output_node(m, k)];
         snprintf(Q->out_name[k], sizeof Q->out_name[k], "%s", mpt__output_layer(m, k)->name);
     }
-    Q->out_t = Q->outs[0];
     mpt__free(m->ctx, node_t);
     return s;
 }
@@ -37432,6 +37447,7 @@ static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
             op->info.weights_float16 = op->wh;
             Q->size_bytes += 2 * NK + 4 * N;
             MPT__CHECK(mpt__q_float16_prepare(ctx, op));
+            Q->kept_bytes += mpt__gemm_half_kept_bytes(op->wh_kept) + (op->kernel ? 4 * NK : 0);
         } else {
             MPT__CHECK(mpt__q_weights_int8(ctx, op));
             if (Q->mode == MPT_QUANTIZE_DYNAMIC_RANGE && op->info.op == MPT_QOP_CONV_2D)
@@ -37859,6 +37875,7 @@ MPTDEF mpt_status mpt_model_quantized_info(const mpt_model *m, mpt_quantized_inf
     out->output = out->outputs[0];
     out->n_layers = Q->n_ops;
     out->size_bytes = Q->size_bytes;
+    out->kept_bytes = Q->kept_bytes;
     return MPT_OK;
 }
 

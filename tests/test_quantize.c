@@ -1262,6 +1262,25 @@ static void test_nothing_to_quantize(void) {
     mpt_context_destroy(ctx);
 }
 
+/* What a float16 model keeps besides its file's weights, from what its
+   operations hold: a Dense's half strips and float32 panels of whole
+   columns, a Conv2D's float32 kernel. */
+static int64_t float16_kept_bytes(const mpt__quantized *Q) {
+    int64_t bytes = 0;
+    int i;
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt__qop *op = &Q->ops[i];
+        const int64_t NK = op->info.out_channels * op->info.depth;
+        if (op->info.op == MPT_QOP_CONV_2D) bytes += 4 * NK;
+        if (op->info.op != MPT_QOP_FULLY_CONNECTED || !op->wh_kept) continue;
+        CHECK(op->wh_kept->panels && op->wh_kept->panels->cols >= op->info.out_channels,
+              "op %d: no panels of all %lld columns", i, (long long)op->info.out_channels);
+        if (op->wh_kept->panels) bytes += 4 * op->info.depth * op->wh_kept->panels->cols;
+        if (op->wh_kept->strips) bytes += 2 * NK;
+    }
+    return bytes;
+}
+
 /* float16: every output within float16's rounding of the weights. */
 static void test_float16_model(void) {
     mpt_context *ctx = quiet_ctx();
@@ -1271,6 +1290,7 @@ static void test_float16_model(void) {
     mpt_quantized_info info;
     int64_t k, count;
     double worst = 0;
+    memset(&info, 0, sizeof info); /* read below where quantize failed too */
     make_samples(13);
     m = make_model(ctx, MODEL_GAP, 300);
     d = samples_dataset(ctx, N_SAMPLES, sample_x);
@@ -1287,6 +1307,8 @@ static void test_float16_model(void) {
     /* Conv2D 3·3·2 → 8, Dense 8 → 4: 2 bytes a weight, 4 a bias */
     CHECK(info.size_bytes == 2 * (18 * 8 + 8 * 4) + 4 * (8 + 4), "size %lld",
           (long long)info.size_bytes);
+    CHECK(q && info.kept_bytes == float16_kept_bytes(q->quantized), "kept %lld, want %lld",
+          (long long)info.kept_bytes, (long long)(q ? float16_kept_bytes(q->quantized) : 0));
     mpt_tensor_free(ctx, &a);
     mpt_tensor_free(ctx, &b);
     mpt_model_destroy(q);
@@ -2525,6 +2547,14 @@ static void test_float16_dense_in_place(void) {
                   "op %d: its %lld × %lld kernel is not kept as the GEMM reads it", i,
                   (long long)ok, (long long)on);
         }
+        if (q) { /* what is kept is counted: the strips too where they are */
+            mpt_quantized_info info;
+            CHECK(mpt_model_quantized_info(q, &info) == MPT_OK &&
+                      info.kept_bytes == float16_kept_bytes(q->quantized) &&
+                      info.kept_bytes >= 4 * (600 * UNITS + UNITS * 10),
+                  "kept %lld bytes, want %lld", (long long)info.kept_bytes,
+                  (long long)float16_kept_bytes(q->quantized));
+        }
         for (bi = 0; q && bi < 5; bi++) {
             mpt_tensor a, b;
             int diff = 0;
@@ -3383,7 +3413,7 @@ static void test_forward_as_ops_one_by_one(void) {
                           "forward: %s", mpt_context_error(ctx));
                     if (out) memcpy(got, out, (size_t)(n * per));
                     for (k = 0; out && k < n * per; k++)
-                        diff += got[k] != ((const unsigned char *)buf[Q->out_t])[k];
+                        diff += got[k] != ((const unsigned char *)buf[Q->outs[0]])[k];
                     CHECK(out && diff == 0, "model %d, %s%s, %d threads, %lld samples: %lld of "
                           "%lld bytes differ from the operations one by one", kinds[ki],
                           dynamic ? "dynamic range" : "full integer", poison ? " (an inf)" : "",

@@ -34721,19 +34721,25 @@ static mpt_status mpt__q_build_ops(mpt_model *m, mpt__quantized *Q) {
     return s;
 }
 
-/* Whether op i is a Conv2D the MaxPooling2D after it may run with: that
-   pooling is op i + 1, and reads op i's output, which nothing else reads
-   nor is the model's output. */
-static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
+/* Whether op i's output is neither the model's output nor read by any op
+   after op i + 1: op i + 1 (the caller has seen that it reads it) is then
+   its only reader, and may take it as it is made. */
+static int mpt__q_only_next_reads(const mpt__quantized *Q, int i) {
     int j, k;
-    if (Q->ops[i].info.op != MPT_QOP_CONV_2D || i + 1 >= Q->n_ops ||
-        Q->ops[i + 1].info.op != MPT_QOP_MAX_POOL_2D || Q->ops[i + 1].in_t[0] != i + 1 ||
-        mpt__q_is_output(Q, i + 1))
-        return 0;
+    if (mpt__q_is_output(Q, i + 1)) return 0;
     for (j = i + 2; j < Q->n_ops; j++)
         for (k = 0; k < Q->ops[j].info.n_inputs; k++)
             if (Q->ops[j].in_t[k] == i + 1) return 0;
     return 1;
+}
+
+/* Whether op i is a Conv2D the MaxPooling2D after it may run with: that
+   pooling is op i + 1, and reads op i's output, which nothing else reads
+   nor is the model's output. */
+static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
+    return Q->ops[i].info.op == MPT_QOP_CONV_2D && i + 1 < Q->n_ops &&
+           Q->ops[i + 1].info.op == MPT_QOP_MAX_POOL_2D && Q->ops[i + 1].in_t[0] == i + 1 &&
+           mpt__q_only_next_reads(Q, i);
 }
 
 /* 1 + the input of op i + 1 that Conv2D op i's output is, where op i + 1
@@ -34742,16 +34748,14 @@ static int mpt__q_pool_follows(const mpt__quantized *Q, int i) {
    keeps its input alive through the ADD, which it may write. */
 static int mpt__q_add_follows(const mpt__quantized *Q, int i) {
     const mpt__qop *add = i + 1 < Q->n_ops ? &Q->ops[i + 1] : NULL;
-    int j, k, side;
+    int side;
     if (Q->ops[i].info.op != MPT_QOP_CONV_2D || !add ||
         (add->info.op != MPT_QOP_ADD && add->info.op != MPT_QOP_SUB) ||
-        add->info.n_inputs != 2 || mpt__q_is_output(Q, i + 1) || add->in_t[0] == add->in_t[1])
+        add->info.n_inputs != 2 || add->in_t[0] == add->in_t[1])
         return 0;
     side = add->in_t[0] == i + 1 ? 0 : add->in_t[1] == i + 1 ? 1 : -1;
-    if (side < 0 || add->out_count != Q->ops[i].out_count) return 0;
-    for (j = i + 2; j < Q->n_ops; j++)
-        for (k = 0; k < Q->ops[j].info.n_inputs; k++)
-            if (Q->ops[j].in_t[k] == i + 1) return 0;
+    if (side < 0 || add->out_count != Q->ops[i].out_count || !mpt__q_only_next_reads(Q, i))
+        return 0;
     return 1 + side;
 }
 
@@ -34768,16 +34772,10 @@ static int mpt__qop_by_channel(const mpt__qop *op) {
    composes their tables into one (the same codes: each is a function of
    one code per channel), and the float passes run op i + 1 in place. */
 static int mpt__q_chains_after(const mpt__quantized *Q, int i) {
-    int j, k;
-    if (i + 1 >= Q->n_ops || !mpt__qop_by_channel(&Q->ops[i]) ||
-        !mpt__qop_by_channel(&Q->ops[i + 1]) || Q->ops[i + 1].in_t[0] != i + 1 ||
-        Q->ops[i + 1].info.n_constants != Q->ops[i].info.n_constants ||
-        mpt__q_is_output(Q, i + 1))
-        return 0;
-    for (j = i + 2; j < Q->n_ops; j++)
-        for (k = 0; k < Q->ops[j].info.n_inputs; k++)
-            if (Q->ops[j].in_t[k] == i + 1) return 0;
-    return 1;
+    return i + 1 < Q->n_ops && mpt__qop_by_channel(&Q->ops[i]) &&
+           mpt__qop_by_channel(&Q->ops[i + 1]) && Q->ops[i + 1].in_t[0] == i + 1 &&
+           Q->ops[i + 1].info.n_constants == Q->ops[i].info.n_constants &&
+           mpt__q_only_next_reads(Q, i);
 }
 
 /* The largest buffers one sample needs, for mpt__qwork_alloc, and where

@@ -74,11 +74,12 @@ static void round_weights_to_half(mpt_context *ctx, mpt_model *m) {
 }
 
 enum { MODEL_CNN, MODEL_GAP, MODEL_DENSE, MODEL_WIDE, MODEL_RESIDUAL, MODEL_MERGES,
-       MODEL_BN_CHAIN, MODEL_BN_GRAPH, MODEL_BN_CHAIN16 };
+       MODEL_BN_CHAIN, MODEL_BN_GRAPH, MODEL_BN_CHAIN16, MODEL_POOL_BRANCH };
 
 /* Whether a kind is built as a graph (add_graph). */
 static int is_graph(int kind) {
-    return kind == MODEL_RESIDUAL || kind == MODEL_MERGES || kind == MODEL_BN_GRAPH;
+    return kind == MODEL_RESIDUAL || kind == MODEL_MERGES || kind == MODEL_BN_GRAPH ||
+           kind == MODEL_POOL_BRANCH;
 }
 
 /* CNN: Conv2D → BatchNormalization → ReLU → MaxPooling2D → Conv2D(tanh)
@@ -178,10 +179,23 @@ static void add_layers(mpt_model *m, int kind) {
    BatchNormalizations that do not fold in a graph: one on the input, one
    after a Conv2D that two layers read (a: its BatchNormalization → ReLU
    beside a 1×1 Conv2D of a), one after their Add, then ReLU (fused into
-   the ADD of its shift), GlobalAveragePooling2D → Dense(softmax). */
+   the ADD of its shift), GlobalAveragePooling2D → Dense(softmax).
+   POOL_BRANCH: a Conv2D(relu) that the MaxPooling2D after it reads, and a
+   later GlobalAveragePooling2D too (so the two may not run as one): the
+   Add of both poolings' GlobalAveragePooling2D → Dense(softmax). */
 static void add_graph(mpt_model *m, int kind) {
     mpt_node x = mpt_model_input(m), a, b, r, c, d, two[2], four[4];
     const mpt_activation_desc relu = {.activation = MPT_ACT_RELU};
+    if (kind == MODEL_POOL_BRANCH) {
+        a = mpt_conv2d(m, x, &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
+                                                .padding = MPT_PADDING_SAME,
+                                                .activation = MPT_ACT_RELU});
+        two[0] = mpt_global_average_pooling2d(m, mpt_max_pooling2d(m, a, NULL), NULL);
+        two[1] = mpt_global_average_pooling2d(m, a, NULL);
+        mpt_dense(m, mpt_add(m, 2, two, NULL),
+                  &(mpt_dense_desc){.units = CLASSES, .activation = MPT_ACT_SOFTMAX});
+        return;
+    }
     if (kind == MODEL_BN_GRAPH) {
         a = mpt_conv2d(m, mpt_batch_normalization(m, x, NULL),
                        &(mpt_conv2d_desc){.filters = 4, .kernel_size = {3, 3},
@@ -3334,14 +3348,16 @@ static void test_conv_from_windows(void) {
    operations run one by one on buffers of their own (mpt__q_run_op's
    im2col and products, mpt__q_binary), bit for bit: the batch and one
    sample, on 1 and 2 threads; BN_CHAIN16 in dynamic range also with an
-   inf in its first sample. */
+   inf in its first sample; POOL_BRANCH's Conv2D, read after its
+   MaxPooling2D too, not run with it. */
 /* RESIDUAL's two ADDs (the Conv2D's output their first input, then their
    second), BN_GRAPH's one and MERGES' Average's first (of the shared
    Conv2D's two calls). */
 #define ADDS_AFTER_CONV 4
 static void test_forward_as_ops_one_by_one(void) {
-    static const int kinds[] = {MODEL_CNN,      MODEL_GAP,      MODEL_RESIDUAL,  MODEL_MERGES,
-                                MODEL_BN_CHAIN, MODEL_BN_GRAPH, MODEL_BN_CHAIN16};
+    static const int kinds[] = {MODEL_CNN,      MODEL_GAP,      MODEL_RESIDUAL,
+                                MODEL_MERGES,   MODEL_BN_CHAIN, MODEL_BN_GRAPH,
+                                MODEL_BN_CHAIN16, MODEL_POOL_BRANCH};
     int ki, threads, dynamic, poison, chains = 0, absorbed = 0, adds = 0, fused = 0;
     make_samples(31);
     for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)

@@ -2551,9 +2551,12 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    mpt_model_predict_outputs gives each output; the files have its inputs
    ("input", then each added input by its InputLayer's name) and outputs
    (each output layer's name) in that order, as the float files.
-   mpt_model_evaluate of a quantized model of several outputs and
-   mpt_model_quantized_invoke of one of several inputs or outputs are
-   refused with MPT_ERR_UNSUPPORTED.
+   mpt_model_evaluate of a quantized model of several outputs gives what
+   the float model's gives on its outputs: "loss" the sum of
+   loss_weights[k] times output k's mean loss, then each output's loss
+   and metrics under the names the float model's evaluate gives them
+   ("<layer>_loss", "<layer>_accuracy"). mpt_model_quantized_invoke_io
+   runs one batch of every input to every output.
    A transformer (examples/gpt.c) quantizes in dynamic range and float16:
    Embedding (GATHER; the model's int32 ids in, an id outside the table
    refused by predict as by the float model), PositionEmbedding and
@@ -2762,10 +2765,25 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
    (batch, input shape...) in the model's io_dtype (int32 ids for a model
    of int32 input: mpt_model_desc.input_dtype), y is filled with
    (batch, output shape...) in io_dtype (float32: dequantized). y is
-   allocated here (owned; mpt_tensor_free). Any batch size. A model of
-   several inputs or outputs is refused (MPT_ERR_UNSUPPORTED): predict a
-   dataset of them all (mpt_model_predict_outputs). */
+   allocated here (owned; mpt_tensor_free). Any batch size. For a model of
+   one input and one output; a model of more takes them all in
+   mpt_model_quantized_invoke_io (MPT_ERR_INVALID_ARGUMENT here). */
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
+
+/* invoke of a model of any number of inputs and outputs, as an
+   interpreter's invoke after set_tensor on each input: xs[k] is input k
+   (n_inputs of them in the model's order: input 0, then each added
+   input, as mpt_quantized_info's inputs), each (batch, its shape...) in
+   io_dtype (int32 ids for an input of ids; full integer: in the codes of
+   its own scale and zero point), one batch for them all; ys[k] is filled
+   with output k (n_outputs, the model's order), allocated here as y is
+   (on failure every one empty). The same values as
+   mpt_model_predict_outputs of the same batch (float32 io: the same
+   bits). n_inputs and n_outputs must be the model's
+   (MPT_ERR_INVALID_ARGUMENT); an input of the wrong dtype or shape is
+   MPT_ERR_DTYPE or MPT_ERR_SHAPE naming it. */
+MPTDEF mpt_status mpt_model_quantized_invoke_io(mpt_model *m, const mpt_tensor *xs, int n_inputs,
+                                                mpt_tensor *ys, int n_outputs);
 
 /* Quantization-aware training, as tfmot's quantize_model: the float model
    trains with the full-integer model's rounding in its forward pass, so
@@ -16510,18 +16528,20 @@ static const mpt_step_state *mpt__tally_output(const mpt__tally *t, int k) {
     return k ? &t->output[k] : &t->record;
 }
 
-/* A model of several outputs: "loss", the weighted sum Σ w_k · loss_k of
-   the outputs' mean losses, then each output's loss and metrics under
+/* A model of n_outputs outputs: "loss", the weighted sum Σ w_k · loss_k
+   of the outputs' mean losses, then each output's loss and metrics under
    its names, each from its record (r2 and auc output 0's alone). The
-   outputs' records count the same samples. */
-static void mpt__outputs_logs(const mpt_model *m, const mpt__tally *t, int validation,
-                              mpt_logs *logs) {
+   outputs' records count the same samples. (A quantized model has no
+   layers: n_outputs is its operations' count, the weights and names
+   copied from the float model by mpt_model_quantize.) */
+static void mpt__outputs_logs(const mpt_model *m, int n_outputs, const mpt__tally *t,
+                              int validation, mpt_logs *logs) {
     double n = t->samples ? (double)t->samples : 1.0, total = 0;
     int k;
-    for (k = 0; k < m->n_outputs; k++)
+    for (k = 0; k < n_outputs; k++)
         total += (double)m->loss_weight[k] * (mpt__tally_output(t, k)->loss_sum / n);
     mpt__logs_set(logs, validation ? "val_loss" : "loss", total);
-    for (k = 0; k < m->n_outputs; k++) {
+    for (k = 0; k < n_outputs; k++) {
         const char(*names)[MPT__LOG_NAME_MAX] = m->output_log[k][validation != 0];
         const mpt_step_state *record = mpt__tally_output(t, k);
         const mpt__metric_counts c =
@@ -16544,7 +16564,7 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
     const mpt__metric_counts weighted =
         mpt__record_counts(&t->record, 1, t->samples, t->weighted_r2, t->weighted_auc);
     if (mpt__several_outputs(m)) {
-        mpt__outputs_logs(m, t, validation, logs);
+        mpt__outputs_logs(m, m->n_outputs, t, validation, logs);
         return;
     }
     mpt__logs_set(logs, validation ? "val_loss" : "loss", t->record.loss_sum / n);
@@ -37557,6 +37577,9 @@ MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc
     q->quantized = Q;
     q->compiled = m->compiled;
     q->compile = m->compile;
+    /* evaluate's logs of several outputs (mpt__outputs_logs) */
+    memcpy(q->loss_weight, m->loss_weight, sizeof q->loss_weight);
+    memcpy(q->output_log, m->output_log, sizeof q->output_log);
     mpt__keep_exclusions(q, &q->compile.optimizer); /* q's own copy, not m's */
     *out = q;
     return MPT_OK;
@@ -37667,27 +37690,30 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     return s;
 }
 
-/* A batch's predictions (b samples of `per` float32 values) against its
-   targets y and sample weights w (data NULL: none), tallied into st and
-   into the r2_score/auc record (NULL: neither metric) by the CPU
-   backend's loss, as the float model's evaluate tallies its batches
-   (mpt__loss_args): the loss and the weighted metrics each row times its
-   sample's weight, rows_per_sample positions a sample. The loss's checks
-   of mpt_loss_compute come first. */
-static mpt_status mpt__q_tally(mpt_model *m, const float *pred, int64_t b, int64_t per,
+/* A batch's predictions of output k (b samples of `per` float32 values)
+   against its targets y and sample weights w (data NULL: none), tallied
+   into st and into the r2_score/auc record (NULL: neither metric) by the
+   CPU backend's loss, as the float model's evaluate tallies its batches
+   (mpt__loss_args; of several outputs, mpt__output_loss_args: output k's
+   loss and metrics, no weighted ones): the loss and the weighted metrics
+   each row times its sample's weight, rows_per_sample positions a sample.
+   The loss's checks of mpt_loss_compute come first. */
+static mpt_status mpt__q_tally(mpt_model *m, int k, const float *pred, int64_t b, int64_t per,
                                const mpt_tensor *y, const mpt_tensor *w, mpt_step_state *st,
                                double *record, double *parts) {
+    const int several = m->quantized->n_out > 1;
+    const mpt_loss_desc *loss = several ? &m->compile.losses[k] : &m->compile.loss;
     mpt_tensor p;
     mpt_loss_args a;
     mpt__loss_job j;
     double unused = 0;
     int64_t shape[MPT_MAX_RANK + 1];
-    int rank = mpt__q_batch_shape(m, 0, b, shape);
+    int rank = mpt__q_batch_shape(m, k, b, shape);
     MPT__CHECK(mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, (void *)(uintptr_t)pred));
-    MPT__CHECK(mpt__loss_job_checked(m->ctx, &m->compile.loss, &p, y, &unused, NULL, &j));
+    MPT__CHECK(mpt__loss_job_checked(m->ctx, loss, &p, y, &unused, NULL, &j));
     memset(&a, 0, sizeof a);
-    a.type = m->compile.loss.type;
-    a.from_logits = m->compile.loss.from_logits;
+    a.type = loss->type;
+    a.from_logits = loss->from_logits;
     a.pred_dtype = MPT_FLOAT32;
     a.pred = pred;
     a.target_dtype = y->dtype;
@@ -37695,80 +37721,105 @@ static mpt_status mpt__q_tally(mpt_model *m, const float *pred, int64_t b, int64
     a.K = mpt__loss_row_width(a.type, shape[rank - 1]);
     a.rows_per_sample = per / a.K;
     a.rows = b * a.rows_per_sample;
-    a.metrics = m->compile.metrics;
+    a.metrics = several ? m->compile.output_metrics[k] : m->compile.metrics;
     a.top_k = m->compile.top_k;
     a.state = st;
     a.sample_weight = (const float *)w->data;
-    a.weighted_metrics = m->compile.weighted_metrics;
+    a.weighted_metrics = several ? 0 : m->compile.weighted_metrics;
     a.metric_sums = record;
     a.metric_parts = parts;
     mpt__cpu_loss(m->ctx, &a);
     return MPT_OK;
 }
 
+/* evaluate's checks of a quantized model and its data: compiled, a
+   batch size, samples fitting its inputs, one label tensor an output. */
+static mpt_status mpt__q_evaluate_check(mpt_model *m, const mpt_dataset *data, int64_t batch) {
+    const int outs = m->quantized->n_out;
+    if (!m->compiled)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first (quantizing a "
+                         "compiled model keeps its loss and metrics)");
+    if (batch < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: batch_size %lld must be > 0",
+                         (long long)batch);
+    MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
+    MPT__CHECK(mpt__check_has_targets(m, data, "evaluate"));
+    if (data->n_labels != outs)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: the dataset holds %d label "
+                         "tensor%s but the model has %d output%s (mpt_dataset_desc.labels: one "
+                         "an output, in its order)", data->n_labels,
+                         data->n_labels == 1 ? "" : "s", outs, outs == 1 ? "" : "s");
+    return MPT_OK;
+}
+
+/* evaluate's r2_score and auc record of a model of one output (NULL
+   where its metrics need none: compile refuses them with several), with
+   the partials' room after it; classes: the loss's row width. */
+static mpt_status mpt__q_metric_record(mpt_model *m, int64_t *classes, double **record) {
+    int64_t shape[MPT_MAX_RANK + 1];
+    int rank = mpt__q_batch_shape(m, 0, 1, shape);
+    *classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
+    *record = NULL;
+    if (m->quantized->n_out > 1 ||
+        !((m->compile.metrics | m->compile.weighted_metrics) & MPT__METRICS_EPOCH))
+        return MPT_OK;
+    *record = (double *)mpt__calloc(m->ctx, sizeof(double) * (size_t)(1 + MPT__METRIC_PARTS) *
+                                                (size_t)mpt__metric_record_count(*classes));
+    return *record ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
+}
+
+/* The float model's evaluate on the quantized model's outputs: each
+   batch through the operations, each output's loss and metrics tallied
+   against its labels (of several outputs into t->output[k], as the float
+   model's records), then the logs the float model names. */
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, batch, per = mpt__q_out_count(Q, 0), *order = NULL, classes;
+    int64_t n, batch, *order = NULL, classes = 0;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
     mpt__tally t;
     mpt_step_state st;
-    float *pred;
+    float *pred[MPT_MAX_OUTPUTS] = {NULL};
     double *record = NULL; /* r2_score's and auc's sums, then the partials'
                               room (MPT__METRIC_PARTS records), or NULL */
-    mpt_tensor xs[MPT_MAX_INPUTS], y;
+    mpt_tensor xs[MPT_MAX_INPUTS], ys[MPT_MAX_OUTPUTS];
     mpt_status s;
+    int k;
     if (!data || !logs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
                          !data ? "data" : "logs");
     memset(logs, 0, sizeof *logs);
     memset(&t, 0, sizeof t);
     memset(&st, 0, sizeof st);
-    if (!m->compiled)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first (quantizing a "
-                         "compiled model keeps its loss and metrics)");
-    if (Q->n_out > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "evaluate: not for a quantized model of "
-                         "several outputs (%d) yet: mpt_model_predict_outputs gives each "
-                         "output's values", Q->n_out);
     batch = mpt__batch_size_or_default(desc ? desc->batch_size : 0);
-    if (batch < 0)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: batch_size %lld must be > 0",
-                         (long long)batch);
-    MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
-    MPT__CHECK(mpt__check_has_targets(m, data, "evaluate"));
+    MPT__CHECK(mpt__q_evaluate_check(m, data, batch));
     n = mpt_dataset_count(data);
     batch = MPT__MAX(1, MPT__MIN(batch, n));
     s = mpt__qwork_reuse(m->ctx, m->quantized, batch, &w);
-    pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
-    if (s == MPT_OK && !pred)
-        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
-    {
-        int64_t shape[MPT_MAX_RANK + 1];
-        int rank = mpt__q_batch_shape(m, 0, 1, shape);
-        classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
+    for (k = 0; s == MPT_OK && k < Q->n_out; k++) {
+        pred[k] = (float *)mpt__alloc(m->ctx, sizeof(float) *
+                                                  (size_t)(batch * mpt__q_out_count(Q, k)));
+        if (!pred[k]) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     }
-    if (s == MPT_OK && ((m->compile.metrics | m->compile.weighted_metrics) & MPT__METRICS_EPOCH)) {
-        record = (double *)mpt__calloc(m->ctx, sizeof(double) * (size_t)(1 + MPT__METRIC_PARTS) *
-                                                   (size_t)mpt__metric_record_count(classes));
-        if (!record) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
-    }
+    if (s == MPT_OK) s = mpt__q_metric_record(m, &classes, &record);
     if (s == MPT_OK)
         s = mpt__q_loader_open(m, data, batch, "evaluate", byte_table, &order, &loader);
-    while (s == MPT_OK && mpt__loader_next(loader, &xs[0], &y)) {
+    while (s == MPT_OK && mpt__loader_next(loader, &xs[0], &ys[0])) {
         mpt_tensor weights;
         mpt__loader_inputs(loader, xs);
-        s = mpt__q_run(m->ctx, Q, xs, byte_table, &pred, w);
+        mpt__loader_labels(loader, ys);
         mpt__loader_weights(loader, &weights);
-        if (s == MPT_OK)
-            s = mpt__q_tally(m, pred, xs[0].shape[0], per, &y, &weights, &st, record,
+        s = mpt__q_run(m->ctx, Q, xs, byte_table, pred, w);
+        for (k = 0; s == MPT_OK && k < Q->n_out; k++)
+            s = mpt__q_tally(m, k, pred[k], xs[0].shape[0], mpt__q_out_count(Q, k), &ys[k],
+                             &weights, k ? &t.output[k] : &st, record,
                              record ? record + mpt__metric_record_count(classes) : NULL);
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
-    mpt__free(m->ctx, pred);
+    for (k = 0; k < Q->n_out; k++) mpt__free(m->ctx, pred[k]);
     mpt__tally_from_state(&st, &t);
     if (s == MPT_OK && record) {
         const int64_t list = mpt__metric_list_count(classes);
@@ -37778,7 +37829,8 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         t.weighted_auc = mpt__auc_result(record + list, classes);
     }
     mpt__free(m->ctx, record);
-    if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
+    if (s == MPT_OK && Q->n_out > 1) mpt__outputs_logs(m, Q->n_out, &t, 0, logs);
+    else if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
 }
 
@@ -37876,56 +37928,124 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
     return MPT_OK;
 }
 
-MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y) {
+/* invoke's inputs checked against the model's: each one's data, dtype
+   (io_dtype, or int32 for an input of ids), (batch, sample...) shape, and
+   one batch for them all; in a model of several inputs the message names
+   the input. */
+static mpt_status mpt__q_invoke_check(mpt_model *m, const mpt_tensor *xs) {
+    const mpt__quantized *Q = m->quantized;
+    char what[160], got[96], want[96];
+    int k, i, ok;
+    for (k = 0; k < Q->n_in; k++) {
+        const mpt_tensor *x = &xs[k];
+        const int ids = k ? Q->in_ids[k] : m->desc.input_dtype == MPT_INT32;
+        const mpt_dtype dtype = ids ? MPT_INT32 : Q->io_dtype;
+        if (Q->n_in > 1)
+            snprintf(what, sizeof what, "quantized_invoke: input %d ('%s')", k,
+                     k ? Q->in_name[k] : "input");
+        else
+            snprintf(what, sizeof what, "quantized_invoke");
+        if (!x->data)
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: NULL data", what);
+        if (x->dtype != dtype)
+            return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: input dtype %s, but the model takes %s",
+                             what, mpt_dtype_name(x->dtype), mpt_dtype_name(dtype));
+        if (x->rank < 2 || x->shape[0] < 1)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: input rank %d is not (batch, "
+                             "sample...)", what, x->rank);
+        if (x->shape[0] != xs[0].shape[0])
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: a batch of %lld samples, but input 0's "
+                             "is %lld", what, (long long)x->shape[0], (long long)xs[0].shape[0]);
+        if (!k) {
+            MPT__CHECK(mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, what));
+            continue;
+        }
+        ok = x->rank - 1 == Q->in_rank[k];
+        for (i = 0; ok && i < Q->in_rank[k]; i++) ok = x->shape[1 + i] == Q->in_shape[k][i];
+        if (!ok)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: samples of shape %s do not fit the "
+                             "model's input %s", what,
+                             mpt_shape_format(got, sizeof got, x->rank - 1, x->shape + 1),
+                             mpt_shape_format(want, sizeof want, Q->in_rank[k], Q->in_shape[k]));
+    }
+    return MPT_OK;
+}
+
+/* Full integer with int8 or uint8 io: each input's codes into its slot
+   (uint8's are the int8 ones + 128: mpt__q_io_params_of), the integer
+   pass, each output's codes out. */
+static mpt_status mpt__q_invoke_codes(mpt_model *m, const mpt_tensor *xs, int64_t n,
+                                      mpt_tensor *ys, mpt__qwork *w) {
+    const mpt__quantized *Q = m->quantized;
+    const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
+    const void *outs[MPT_MAX_OUTPUTS];
+    int64_t i, count;
+    int k;
+    for (k = 0; k < Q->n_in; k++) {
+        int8_t *q = (int8_t *)w->act[Q->slot[-k]];
+        count = n * mpt__q_tensor_elements(Q, -k);
+        for (i = 0; i < count; i++)
+            q[i] = (int8_t)(shift ? ((const uint8_t *)xs[k].data)[i] - 128
+                                  : ((const int8_t *)xs[k].data)[i]);
+        if (k) w->added[k] = q;
+    }
+    MPT__CHECK(mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, w->act[Q->slot[0]], n, w, NULL, outs));
+    for (k = 0; k < Q->n_out; k++) {
+        count = n * mpt__q_out_count(Q, k);
+        for (i = 0; i < count; i++) {
+            const int v = ((const int8_t *)outs[k])[i] + shift;
+            if (shift) ((uint8_t *)ys[k].data)[i] = (uint8_t)v;
+            else ((int8_t *)ys[k].data)[i] = (int8_t)v;
+        }
+    }
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_quantized_invoke_io(mpt_model *m, const mpt_tensor *xs, int n_inputs,
+                                                mpt_tensor *ys, int n_outputs) {
     const mpt__quantized *Q;
-    int64_t n, k, shape[MPT_MAX_RANK], count;
+    int64_t n, shape[MPT_MAX_RANK + 1];
     mpt__qwork *w = NULL;
-    const void *out = NULL, *outs[MPT_MAX_OUTPUTS];
-    mpt_status s;
+    mpt_status s = MPT_OK;
+    int k;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!x || !y || !x->data)
+    if (!xs || !ys)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_invoke: NULL %s",
-                         !y ? "y" : "x");
-    memset(y, 0, sizeof *y);
+                         !ys ? "outputs" : "inputs");
+    if (n_outputs > 0) memset(ys, 0, sizeof *ys * (size_t)MPT__MIN(n_outputs, MPT_MAX_OUTPUTS));
     if (!m->quantized)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_invoke: the model is not quantized");
     Q = m->quantized;
-    if (Q->n_in > 1 || Q->n_out > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantized_invoke: the model has %d inputs "
-                         "and %d outputs, and invoke takes one of each: predict a dataset of "
-                         "them all (mpt_model_predict_outputs)", Q->n_in, Q->n_out);
-    if (x->dtype != (m->desc.input_dtype == MPT_INT32 ? MPT_INT32 : Q->io_dtype)) /* ids */
-        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "quantized_invoke: input dtype %s, but the "
-                         "model takes %s", mpt_dtype_name(x->dtype),
-                         mpt_dtype_name(m->desc.input_dtype == MPT_INT32 ? MPT_INT32
-                                                                        : Q->io_dtype));
-    if (x->rank < 2 || x->shape[0] < 1)
-        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "quantized_invoke: input rank %d is not (batch, "
-                         "sample...)", x->rank);
-    MPT__CHECK(mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, "quantized_invoke"));
-    n = x->shape[0];
-    count = n * mpt__q_out_count(Q, 0);
-    MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, 0, n, shape), shape));
-    s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
+    if (n_inputs != Q->n_in || n_outputs != Q->n_out)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_invoke: the model has %d "
+                         "input%s and %d output%s, but %d and %d were given%s", Q->n_in,
+                         Q->n_in == 1 ? "" : "s", Q->n_out, Q->n_out == 1 ? "" : "s", n_inputs,
+                         n_outputs, n_inputs == 1 && n_outputs == 1
+                                        ? " (mpt_model_quantized_invoke_io takes them all)"
+                                        : "");
+    MPT__CHECK(mpt__q_invoke_check(m, xs));
+    n = xs[0].shape[0];
+    for (k = 0; s == MPT_OK && k < n_outputs; k++)
+        s = mpt_tensor_alloc(m->ctx, &ys[k], Q->io_dtype, mpt__q_batch_shape(m, k, n, shape),
+                             shape);
+    if (s == MPT_OK) s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
     if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
-        float *ys = (float *)y->data;
-        s = mpt__q_run(m->ctx, Q, x, NULL, &ys, w);
+        float *out[MPT_MAX_OUTPUTS];
+        for (k = 0; k < n_outputs; k++) out[k] = (float *)ys[k].data;
+        s = mpt__q_run(m->ctx, Q, xs, NULL, out, w);
     } else if (s == MPT_OK) {
-        /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
-        int8_t *xq = (int8_t *)w->act[0]; /* tensor 0's slot (mpt__q_plan) */
-        const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
-        for (k = 0; k < n * Q->in_count; k++)
-            xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
-        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, outs);
-        out = outs[0];
-        for (k = 0; s == MPT_OK && k < count; k++) {
-            int v = ((const int8_t *)out)[k] + shift;
-            if (shift) ((uint8_t *)y->data)[k] = (uint8_t)v;
-            else ((int8_t *)y->data)[k] = (int8_t)v;
-        }
+        s = mpt__q_invoke_codes(m, xs, n, ys, w);
     }
-    if (s != MPT_OK) mpt_tensor_free(m->ctx, y);
+    for (k = 0; s != MPT_OK && k < n_outputs; k++) mpt_tensor_free(m->ctx, &ys[k]);
     return s;
+}
+
+MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!x || !y)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_invoke: NULL %s",
+                         !y ? "y" : "x");
+    return mpt_model_quantized_invoke_io(m, x, 1, y, 1);
 }
 
 /* =============================================================================

@@ -470,7 +470,7 @@ static void test_concatenate_gradients(void) {
    axes are refused. */
 static void test_padding_and_axis_checks(void) {
     mpt_model *m = NULL;
-    int64_t shape[3];
+    int64_t shape[3] = {0}; /* (gcc -O2 cannot see a failed create leave it unread) */
     mpt_node in[2];
     CHECK(mpt_model_create(ctx,
                            &(mpt_model_desc){.input_shape = {IMG_H, IMG_W, IMG_C}, .input_rank = 3},
@@ -535,7 +535,7 @@ static double train_residual(int threads, mpt_policy policy, float *w, int64_t w
     mpt_context *c = NULL;
     mpt_model *m;
     mpt_dataset *data;
-    mpt_logs logs;
+    mpt_logs logs = {0}; /* read even where evaluate failed */
     double acc = -1;
     mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c);
     m = residual_mlp(c, policy);

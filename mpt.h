@@ -400,6 +400,8 @@
        @impl-qat          quantization-aware training: fake quantization in
                           the forward and backward walks, ranges for the
                           conversion
+       @impl-qat-merge    a merge of more than two inputs or an Average:
+                          its int8 steps' partial results fake-quantized
        @impl-export       the plan both formats read: layers as steps, BN folded
        @impl-export-tflite  FlatBuffers, built back to front
        @impl-tflite-graph the float TFLite graph: tensors, operators, buffers;
@@ -2842,11 +2844,14 @@ MPTDEF mpt_status mpt_model_quantized_invoke_io(mpt_model *m, const mpt_tensor *
    (MPT_ERR_UNSUPPORTED): a CUDA context, a strategy, a layer the
    full-integer model has no form for, a Dense or Conv2D ending in an
    activation other than ReLU, unless it is the model's final softmax
-   (use activation none and an Activation layer), a merge of more than
-   two inputs or an Average (the int8 model's partial sums are no layer's
-   output), and a BatchNormalization that does not fold (the output of
-   its MUL, before the ADD, is no layer's either: post-training
-   quantization takes it).
+   (use activation none and an Activation layer), and a BatchNormalization
+   that does not fold (the output of its MUL, before the ADD, is no
+   layer's output: post-training quantization takes it). A merge of more
+   than two inputs, or an Average, trains as the int8 model computes it:
+   each partial result of its two-input steps ("<layer>/<k>", an
+   Average's sums before its MUL by 1/n) is fake-quantized with a
+   moving-average range of its own, the gradient masked outside it as at
+   every point, and the conversion quantizes that partial with it.
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
@@ -8698,12 +8703,23 @@ static void mpt__merge_op(const mpt__layer *L, const mpt__pass *p, mpt_elementwi
     p->be->elementwise(p->impl, op, L->dtype, y, a, b, alpha, p->batch * L->in_count);
 }
 
-/* y = x0 op x1 op x2 ..., left to right; an Average then divided by n. */
-static void mpt__merge_forward(mpt__layer *L, const mpt__pass *p) {
+/* Defined below, in @impl-qat-merge: under quantization-aware training,
+   a merge whose int8 form has partial results runs there (1), each
+   partial fake-quantized; 0: the layer's own passes. */
+static int mpt__qat_merge_forward(mpt__layer *L, const mpt__pass *p);
+static int mpt__qat_merge_backward(mpt__layer *L, const mpt__pass *p);
+
+static mpt_elementwise_op mpt__merge_fold_op(const mpt__layer *L) {
     static const mpt_elementwise_op fold[] = {MPT_ELEMENTWISE_ADD, MPT_ELEMENTWISE_SUBTRACT,
                                               MPT_ELEMENTWISE_MULTIPLY, MPT_ELEMENTWISE_ADD};
-    mpt_elementwise_op op = fold[L->ops->kind - MPT__LAYER_ADD];
+    return fold[L->ops->kind - MPT__LAYER_ADD];
+}
+
+/* y = x0 op x1 op x2 ..., left to right; an Average then divided by n. */
+static void mpt__merge_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt_elementwise_op op = mpt__merge_fold_op(L);
     int s;
+    if (p->model && p->model->qat && mpt__qat_merge_forward(L, p)) return;
     mpt__merge_op(L, p, op, p->y, p->xs[0], p->xs[1], 0);
     for (s = 2; s < p->n_x; s++) mpt__merge_op(L, p, op, p->y, p->y, p->xs[s], 0);
     if (L->ops->kind == MPT__LAYER_AVERAGE)
@@ -8739,6 +8755,7 @@ static void mpt__merge_backward(mpt__layer *L, const mpt__pass *p) {
     size_t bytes = (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count);
     const void *share = p->dy; /* what each input gets (Add, Average) */
     int s;
+    if (p->model && p->model->qat && mpt__qat_merge_backward(L, p)) return;
     switch (L->ops->kind) {
     case MPT__LAYER_MULTIPLY: mpt__multiply_backward(L, p); return;
     case MPT__LAYER_SUBTRACT:
@@ -10692,6 +10709,7 @@ static void mpt__qat_commit(mpt_model *m);
    outputs that have a learned range. */
 typedef struct mpt__qat_saved {
     int layer;           /* whose output; -1: the model's input            */
+    int partial;         /* 0: the layer's output; k: its merge's partial k */
     int64_t initialized; /* 1: a training batch has set min and max; 0: not */
     float min, max;
 } mpt__qat_saved;
@@ -25655,10 +25673,13 @@ static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl, int rate
 }
 
 /* "qat/input/<what>" for the model's input's range, "qat/<layer>/output/<what>"
-   for a layer's (no layer name makes the one out of the other). */
+   for a layer's, "qat/<layer>/partial_<k>/<what>" for a merge's partial k
+   (no layer name makes the one out of the other). */
 static void mpt__ckpt_qat_name(const mpt_model *m, const mpt__qat_saved *r, const char *what,
                                char *buf, size_t size) {
     if (r->layer < 0) snprintf(buf, size, "qat/input/%s", what);
+    else if (r->partial)
+        snprintf(buf, size, "qat/%s/partial_%d/%s", m->layers[r->layer].name, r->partial, what);
     else snprintf(buf, size, "qat/%s/output/%s", m->layers[r->layer].name, what);
 }
 
@@ -33832,6 +33853,8 @@ typedef struct mpt__qop {
     char name[64], folded[64];
     const mpt__layer *last;    /* the float layer whose output is this op's output
                                   (quantization-aware training's ranges) */
+    const mpt__layer *merge;   /* a merge's partial result (last NULL): its */
+    int partial;               /* merge layer and k, as in "<layer>/<k>"     */
     mpt__win g;                /* conv and pooling: the window                 */
     int64_t in_count, out_count; /* elements of one sample                     */
     float *w;                  /* (N, K) folded float32 weights, while quantizing */
@@ -34393,9 +34416,10 @@ static mpt_status mpt__q_append_merge(mpt_model *m, mpt__quantized *Q, const mpt
         op->info.n_inputs = 2;
         op->in_t[1] = node_t[L->in_node[k]];
         op->info.inputs[1] = op->in_t[1] - 1;
-        if (!last) { /* no layer's output: no trained range */
+        if (!last) { /* no layer's output: quantization-aware training's own point */
             snprintf(op->name, sizeof op->name, "%.56s/%c", L->name, (char)('0' + k));
             op->last = NULL;
+            op->merge = L, op->partial = k;
         }
     }
     if (kind == MPT__LAYER_AVERAGE) { /* the sum times 1/n, as the float export writes it */
@@ -38056,8 +38080,9 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    mpt_model_quantize_aware finds what to fake-quantize by building the
    full-integer operations once (mpt__q_build_ops, the conversion's own
    rules): each operation's output is some layer's output (mpt__qop's
-   `last`), and that layer gets a point (mpt__qat_point) that quantizes
-   its output after its forward (mpt__qat_forward_end). The quantized
+   `last`; a merge's partial results, no layer's, have points of their
+   own: @impl-qat-merge), and that layer gets a point (mpt__qat_point)
+   that quantizes its output after its forward (mpt__qat_forward_end). The quantized
    tensor goes into the point's buffer, which the next layer reads (in a
    graph, every layer reading that node: mpt__qat_output); the
    layer's own output stays as computed, for its backward (a ReLU's
@@ -38090,6 +38115,8 @@ typedef struct mpt__qat_point {
     void *out;                  /* (max_batch, out_count) in the layer's dtype:
                                    the quantized tensor; the last layer's: the
                                    unquantized copy                           */
+    void *pre;                  /* a merge's partial: its unquantized value   */
+    int partial_of;             /* a merge's partial: 1 + the layer's index   */
 } mpt__qat_point;
 
 struct mpt__qat {
@@ -38110,6 +38137,13 @@ struct mpt__qat {
                                   since fit last looked (mpt__qat_overflow) */
     int overflow_layer;        /* the first such: a layer, or −1 the input  */
     float overflow_min, overflow_max; /* and its range                      */
+    /* The int8 model's partial results of merges of more than two inputs
+       and of Averages (@impl-qat-merge): layer i's partial k (1..) is
+       partial[first_partial[i] + k − 1] (first_partial −1: none). */
+    int n_partials;
+    mpt__qat_point *partial;
+    int *first_partial;        /* [n_layers]                                   */
+    void *carried;             /* their backward's gradient carried down      */
 };
 
 #define MPT__QAT_CHUNK 1024
@@ -38292,7 +38326,9 @@ static void mpt__qat_point_run(mpt_model *m, mpt__qat_point *P, mpt_dtype dtype,
                    tensor becomes NaN, so the step is skipped, and the range
                    is not kept; fit names the layer (mpt__qat_overflow). */
                 m->qat->overflowed = 1;
-                m->qat->overflow_layer = P == &m->qat->input ? -1 : (int)(P - m->qat->point);
+                m->qat->overflow_layer = P == &m->qat->input ? -1
+                                         : P->partial_of  ? P->partial_of - 1
+                                                          : (int)(P - m->qat->point);
                 m->qat->overflow_min = lo, m->qat->overflow_max = hi;
             }
         } else if (P->seen) {
@@ -38465,6 +38501,7 @@ static void mpt__qat_commit(mpt_model *m) {
     int i;
     mpt__qat_commit_point(&m->qat->input);
     for (i = 0; i < m->n_layers; i++) mpt__qat_commit_point(&m->qat->point[i]);
+    for (i = 0; i < m->qat->n_partials; i++) mpt__qat_commit_point(&m->qat->partial[i]);
 }
 
 static void mpt__qat_free(mpt_model *m) {
@@ -38476,6 +38513,13 @@ static void mpt__qat_free(mpt_model *m) {
         if (Q->kernel) mpt__free(m->ctx, Q->kernel[i]); /* the model goes too: no compute
                                                              copy is pointed back */
     }
+    for (i = 0; Q->partial && i < Q->n_partials; i++) {
+        mpt__free(m->ctx, Q->partial[i].out);
+        mpt__free(m->ctx, Q->partial[i].pre);
+    }
+    mpt__free(m->ctx, Q->partial);
+    mpt__free(m->ctx, Q->first_partial);
+    mpt__free(m->ctx, Q->carried);
     mpt__free(m->ctx, Q->input.out);
     mpt__free(m->ctx, Q->point);
     mpt__free(m->ctx, Q->batchnorm);
@@ -38485,6 +38529,10 @@ static void mpt__qat_free(mpt_model *m) {
     mpt__free(m->ctx, Q);
     m->qat = NULL;
 }
+
+/* Defined below, in @impl-qat-merge. */
+static mpt__qat_point *mpt__qat_partial_point(const mpt_model *m, const mpt__layer *L, int k);
+static mpt_status mpt__qat_plan_partials(mpt_model *m, int64_t *tensor);
 
 /* The conversion's ranges: the input's, and each operation's output's
    from the point of the layer it ends at (operations that keep their
@@ -38505,12 +38553,14 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
         lo[-i] = P->min, hi[-i] = P->max;
     }
     for (i = 0; i < Q->n_ops; i++) {
-        const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];
+        const mpt__qop *op = &Q->ops[i];
+        const mpt__qat_point *P = op->last ? &T->point[op->last - m->layers]
+                                           : mpt__qat_partial_point(m, op->merge, op->partial);
         lo[i + 1] = hi[i + 1] = 0;
         if (P->kind != MPT__QAT_LEARNED) continue;
         if (!P->seen)
-            return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: layer '%s' has no trained range",
-                             Q->ops[i].last->name);
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: %s '%s' has no trained range",
+                             op->last ? "layer" : "the partial result", op->name);
         lo[i + 1] = P->min, hi[i + 1] = P->max;
     }
     return MPT_OK;
@@ -38520,16 +38570,32 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
 
 static int mpt__qat_learned(const mpt__qat_point *P) { return P->kind == MPT__QAT_LEARNED; }
 
-/* Every learned range, the input's first, then the layers' in order, into
+/* Saved range i (mpt__qat_ranges_out's walk): −1 the input, then the
+   layers', then the merges' partials. */
+static mpt__qat_point *mpt__qat_saved_point(const mpt_model *m, int i) {
+    return i < 0 ? &m->qat->input : i < m->n_layers ? &m->qat->point[i]
+                                                    : &m->qat->partial[i - m->n_layers];
+}
+
+/* Whose range saved range i is: its layer, and k for a merge's partial k
+   (counted from the layer's first: mpt__qat_plan_partials). */
+static void mpt__qat_saved_place(const mpt_model *m, int i, mpt__qat_saved *r) {
+    const mpt__qat_point *P = mpt__qat_saved_point(m, i);
+    r->layer = i < m->n_layers ? i : P->partial_of - 1;
+    r->partial = i < m->n_layers ? 0 : i - m->n_layers - m->qat->first_partial[r->layer] + 1;
+}
+
+/* Every learned range, the input's first, then the layers' in order, then
+   the merges' partials, into
    out (when not NULL); returns how many there are (0 without QAT). A range
    no training batch has set goes out as 0, 0, not initialized. */
 static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out) {
     int i, n = 0;
-    for (i = -1; m->qat && i < m->n_layers; i++) {
-        const mpt__qat_point *P = i < 0 ? &m->qat->input : &m->qat->point[i];
+    for (i = -1; m->qat && i < m->n_layers + m->qat->n_partials; i++) {
+        const mpt__qat_point *P = mpt__qat_saved_point(m, i);
         if (!mpt__qat_learned(P)) continue;
         if (out) {
-            out[n].layer = i;
+            mpt__qat_saved_place(m, i, &out[n]);
             out[n].initialized = P->seen;
             out[n].min = P->seen ? P->min : 0.0f;
             out[n].max = P->seen ? P->max : 0.0f;
@@ -38546,8 +38612,8 @@ static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out) {
    belonged to the model before the load: dropped. */
 static void mpt__qat_ranges_in(mpt_model *m, const mpt__qat_saved *in) {
     int i, n = 0;
-    for (i = -1; m->qat && i < m->n_layers; i++) {
-        mpt__qat_point *P = i < 0 ? &m->qat->input : &m->qat->point[i];
+    for (i = -1; m->qat && i < m->n_layers + m->qat->n_partials; i++) {
+        mpt__qat_point *P = mpt__qat_saved_point(m, i);
         P->measured = 0;
         if (!mpt__qat_learned(P)) continue;
         P->seen = in ? (int)in[n].initialized : 0;
@@ -38642,20 +38708,17 @@ static mpt_status mpt__qat_plan(mpt_model *m) {
     mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
                                                                           "of memory");
     if (s == MPT_OK) s = mpt__q_build_ops(m, Q);
+    if (s == MPT_OK) s = mpt__qat_plan_partials(m, &tensor);
     for (i = 0; s == MPT_OK && i < Q->n_ops; i++)
         s = Q->ops[i].last ? mpt__qat_plan_op(m, &Q->ops[i])
-            : Q->ops[i].info.n_constants /* an unfolded BatchNormalization's MUL; its ADD next */
-                ? mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: BatchNormalization "
+            : Q->ops[i].merge ? MPT_OK /* a merge's partial: mpt__qat_plan_partials */
+            /* else an unfolded BatchNormalization's MUL; its ADD next */
+            : mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: BatchNormalization "
                             "'%s' does not directly follow a Dense or Conv2D without activation "
                             "(read by nothing else): the int8 model computes it as a MUL then an "
                             "ADD, whose intermediate no layer outputs for training to "
                             "fake-quantize (put it before the activation, or quantize after "
-                            "training without quantize_aware)", Q->ops[i + 1].name)
-                : mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: '%s' is a "
-                            "step of a merge of more than two inputs (or of an "
-                            "Average), whose partial result no layer outputs for "
-                            "training to fake-quantize: merge two at a time",
-                            Q->ops[i].name);
+                            "training without quantize_aware)", Q->ops[i + 1].name);
     mpt__quantized_free(m->ctx, Q);
     T->input.kind = MPT__QAT_LEARNED;
     for (i = 1; i < m->n_inputs; i++) /* each added input, a tensor of its own */
@@ -38731,6 +38794,149 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                                                      : "has not met a training batch yet");
     *min = P->min, *max = P->max;
     return MPT_OK;
+}
+
+/* =============================================================================
+   @impl-qat-merge  quantization-aware training of a merge of more than two
+   inputs, or of an Average: its int8 steps' partial results fake-quantized
+   =============================================================================
+
+   The full-integer model computes an Add, Subtract or Multiply of n inputs
+   as n − 1 two-input operations, and an Average as n − 1 ADDs then a MUL
+   by 1/n (mpt__q_append_merge); every step's output but the merge's own
+   ("<layer>/<k>", and the Average's sum) is a tensor of its own
+   quantization, no layer's output. Here each has a point of its own
+   (mpt__qat's partials): the merge's forward runs those steps, each
+   partial result fake-quantized with a moving-average range exactly as
+   the other points (mpt__qat_point_run, committed with them, saved in
+   checkpoints as "qat/<layer>/partial_<k>/..."), which the conversion
+   gives that partial; the next step reads the fake-quantized value. The
+   backward pass follows the same steps back: the gradient carried down
+   is masked where a partial's unquantized value lay outside its range
+   (the straight-through rule, as at every point), and a Multiply's
+   input takes the carried gradient times the quantized partial before
+   it. The merge's own output is the layer's point, as ever. */
+
+/* Layer L's partial results in the int8 model: an Average's n − 1 sums,
+   an Add's, Subtract's or Multiply's n − 2 steps before the last. */
+static int mpt__qat_partial_count(const mpt__layer *L) {
+    const int kind = L->ops->kind;
+    if (kind == MPT__LAYER_AVERAGE) return L->n_in - 1;
+    if (kind == MPT__LAYER_ADD || kind == MPT__LAYER_SUBTRACT || kind == MPT__LAYER_MULTIPLY)
+        return MPT__MAX(0, L->n_in - 2);
+    return 0;
+}
+
+/* Layer L's partial k (1..mpt__qat_partial_count). */
+static mpt__qat_point *mpt__qat_partial_point(const mpt_model *m, const mpt__layer *L, int k) {
+    return &m->qat->partial[m->qat->first_partial[L - m->layers] + k - 1];
+}
+
+/* The partials' points and buffers (each (max_batch, in_count) in the
+   layer's dtype, quantized and not), and the backward's carried
+   gradient; *tensor grows to the largest, for the ranges' scratch. */
+static mpt_status mpt__qat_plan_partials(mpt_model *m, int64_t *tensor) {
+    mpt__qat *T = m->qat;
+    int64_t carried = 0;
+    int i, k, at = 0;
+    T->first_partial = (int *)mpt__alloc(m->ctx, sizeof(int) * (size_t)m->n_layers);
+    if (!T->first_partial) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
+                                            "of memory");
+    for (i = 0; i < m->n_layers; i++) {
+        T->first_partial[i] = mpt__qat_partial_count(&m->layers[i]) ? T->n_partials : -1;
+        T->n_partials += mpt__qat_partial_count(&m->layers[i]);
+    }
+    if (!T->n_partials) return MPT_OK;
+    T->partial = (mpt__qat_point *)mpt__calloc(m->ctx, sizeof *T->partial *
+                                                           (size_t)T->n_partials);
+    for (i = 0; T->partial && i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        const size_t bytes = (size_t)mpt__dbytes(L->dtype, m->max_batch * L->in_count);
+        if (!mpt__qat_partial_count(L)) continue;
+        carried = MPT__MAX(carried, (int64_t)bytes);
+        *tensor = MPT__MAX(*tensor, m->max_batch * L->in_count);
+        for (k = 0; k < mpt__qat_partial_count(L); k++, at++) {
+            mpt__qat_point *P = &T->partial[at];
+            P->kind = MPT__QAT_LEARNED;
+            P->partial_of = i + 1;
+            P->out = mpt__alloc(m->ctx, bytes);
+            P->pre = mpt__alloc(m->ctx, bytes);
+            if (!P->out || !P->pre) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                                                     "quantize_aware: out of memory");
+        }
+    }
+    T->carried = T->partial ? mpt__alloc(m->ctx, (size_t)carried) : NULL;
+    if (!T->carried)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out of memory");
+    return MPT_OK;
+}
+
+/* acc = x0; acc = acc op x_k for k = 1 .. n − 1, each step before the
+   last (an Average: every one) fake-quantized by its partial's point; an
+   Average's quantized sum then divided by n, as the float layer divides. */
+static int mpt__qat_merge_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt_model *m = p->model;
+    const int parts = mpt__qat_partial_count(L);
+    const mpt_elementwise_op op = mpt__merge_fold_op(L);
+    const void *acc = p->xs[0];
+    int k;
+    if (!m->qat->first_partial || m->qat->first_partial[L - m->layers] < 0) return 0;
+    for (k = 1; k < p->n_x; k++) {
+        mpt__qat_point *P;
+        if (k > parts) { /* the merge's own step */
+            mpt__merge_op(L, p, op, p->y, acc, p->xs[k], 0);
+            return 1;
+        }
+        P = mpt__qat_partial_point(m, L, k);
+        mpt__merge_op(L, p, op, P->pre, acc, p->xs[k], 0);
+        mpt__qat_point_run(m, P, L->dtype, P->pre, P->out, p->batch * L->in_count,
+                           m->last_training);
+        acc = P->active ? P->out : P->pre;
+    }
+    mpt__merge_op(L, p, MPT_ELEMENTWISE_DIVIDE, p->y, acc, NULL, (float)p->n_x); /* Average */
+    return 1;
+}
+
+/* g (n values) set to 0 where partial P's unquantized value lay outside
+   the range its forward used. */
+static void mpt__qat_partial_mask(mpt_model *m, const mpt__layer *L, const mpt__qat_point *P,
+                                  void *g, int64_t n) {
+    mpt__qat_job j;
+    if (P->kind != MPT__QAT_LEARNED || !P->active) return;
+    j = mpt__qat_job_of(m, L->dtype, P->pre, g, n, &P->used, NULL);
+    mpt__parallel_for(m->ctx, mpt__qat_spans(n), mpt__qat_mask_task, &j);
+}
+
+/* The forward's steps back from dy (an Average's divided by n first): at
+   step k the gradient g of acc_k, masked by its partial, gives dx_k (g,
+   or a Multiply's g times the quantized acc_{k−1}) and g of acc_{k−1}
+   (g, or g times x_k); dx_0 is what reaches acc_0. */
+static int mpt__qat_merge_backward(mpt__layer *L, const mpt__pass *p) {
+    mpt_model *m = p->model;
+    const int parts = mpt__qat_partial_count(L), mul = L->ops->kind == MPT__LAYER_MULTIPLY;
+    const int64_t n = p->batch * L->in_count;
+    const size_t bytes = (size_t)mpt__dbytes(L->dtype, n);
+    void *g = m->qat->carried;
+    int k;
+    if (!m->qat->first_partial || m->qat->first_partial[L - m->layers] < 0) return 0;
+    if (L->ops->kind == MPT__LAYER_AVERAGE)
+        mpt__merge_op(L, p, MPT_ELEMENTWISE_DIVIDE, g, p->dy, NULL, (float)p->n_x);
+    else
+        p->be->copy(p->impl, g, p->dy, bytes);
+    for (k = p->n_x - 1; k >= 1; k--) {
+        const mpt__qat_point *before = k > 1 ? mpt__qat_partial_point(m, L, k - 1) : NULL;
+        const void *acc = !before ? p->xs[0] : before->active ? before->out : before->pre;
+        if (k <= parts) mpt__qat_partial_mask(m, L, mpt__qat_partial_point(m, L, k), g, n);
+        if (p->dxs[k] && mul)
+            mpt__merge_op(L, p, MPT_ELEMENTWISE_MULTIPLY, p->dxs[k], g, acc, 0);
+        else if (p->dxs[k] && L->ops->kind == MPT__LAYER_SUBTRACT)
+            mpt__merge_op(L, p, MPT_ELEMENTWISE_NEGATE, p->dxs[k], g, NULL, 0);
+        else if (p->dxs[k])
+            p->be->copy(p->impl, p->dxs[k], g, bytes);
+        if (mul) mpt__merge_op(L, p, MPT_ELEMENTWISE_MULTIPLY, g, g, p->xs[k], 0);
+    }
+    if (p->dxs[0]) p->be->copy(p->impl, p->dxs[0], g, bytes);
+    return 1;
 }
 
 /* =============================================================================

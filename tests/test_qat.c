@@ -1000,11 +1000,12 @@ static void make_merge_data(void) {
 /* Three Dense branches a, b (ReLU) and c (none), an Add of all three
    ("add3", one partial), an Average of the sum, a and c ("avg3": two
    partial sums, then the MUL by 1/3), a Multiply of that, b and the sum
-   ("mul3", one partial), logits. */
-static mpt_model *merge_graph(mpt_context *ctx) {
+   ("mul3", one partial), logits; the layers in `policy`. */
+static mpt_model *merge_graph(mpt_context *ctx, mpt_policy policy) {
     mpt_model *m = NULL;
     mpt_node a, b, c, sum, three[3];
-    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {MV}, .input_rank = 1, .seed = 9}, &m);
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {MV}, .input_rank = 1, .seed = 9,
+                                            .policy = policy}, &m);
     a = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 6, .activation = MPT_ACT_RELU});
     b = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 6, .activation = MPT_ACT_RELU});
     c = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 6});
@@ -1122,6 +1123,33 @@ static void merge_gradients(mpt_model *m) {
     }
 }
 
+/* Every partial of the int8 model q ("<layer>/<k>") quantized with exactly
+   the range its point in m learned; returns how many there are. */
+static int partial_scales(const mpt_model *m, const mpt_model *q) {
+    mpt_quantized_info info;
+    int i, partials = 0;
+    if (!q || mpt_model_quantized_info(q, &info) != MPT_OK) return 0;
+    for (i = 0; i < info.n_layers; i++) {
+        mpt_quantized_layer ql;
+        const char *slash;
+        const mpt__qat_point *P;
+        mpt_quant_params want;
+        char layer[64];
+        mpt_model_quantized_layer(q, i, &ql);
+        slash = strrchr(ql.name, '/');
+        if (!slash) continue;
+        snprintf(layer, sizeof layer, "%.*s", (int)(slash - ql.name), ql.name);
+        P = mpt__qat_partial_point(m, &m->layers[layer_named(m, layer)], atoi(slash + 1));
+        want = mpt__q_params(P->min, P->max);
+        CHECK(ql.output.scale == want.scale && ql.output.zero_point == want.zero_point,
+              "'%s': scale %g, zero point %d; its learned range [%g, %g] gives %g, %d", ql.name,
+              (double)ql.output.scale, (int)ql.output.zero_point, (double)P->min,
+              (double)P->max, (double)want.scale, (int)want.zero_point);
+        partials++;
+    }
+    return partials;
+}
+
 /* The merges of merge_graph train quantization-aware: every partial has a
    learned range, the conversion quantizes each partial ("<layer>/<k>")
    with exactly its range, the int8 model's logits are within one output
@@ -1130,13 +1158,14 @@ static void merge_gradients(mpt_model *m) {
    to a new quantization-aware model, which converts to the same bits. */
 static void test_merges_of_more_inputs(void) {
     mpt_context *ctx = quiet_ctx();
-    mpt_model *m = merge_graph(ctx), *m2 = merge_graph(ctx), *q = NULL, *q2 = NULL;
+    mpt_model *m = merge_graph(ctx, MPT_POLICY_FLOAT32), *m2 = merge_graph(ctx, MPT_POLICY_FLOAT32);
+    mpt_model *q = NULL, *q2 = NULL;
     int64_t sample[1] = {MV};
     mpt_dataset *d;
     mpt_tensor fq_out, int_out, int2_out;
     mpt_quantized_info info;
     char path[] = "/tmp/mpt_test_qat_merge_XXXXXX";
-    int i, partials = 0, fd;
+    int i, partials, fd;
     double apart;
     make_merge_data();
     d = dataset(ctx, MN, 1, sample, merge_x, merge_y);
@@ -1151,26 +1180,7 @@ static void test_merges_of_more_inputs(void) {
     CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
               MPT_OK && mpt_model_quantized_info(q, &info) == MPT_OK,
           "convert: %s", mpt_context_error(ctx));
-    for (i = 0; q && i < info.n_layers; i++) {
-        mpt_quantized_layer ql;
-        const char *slash;
-        const mpt__qat_point *P;
-        mpt_quant_params want;
-        mpt_model_quantized_layer(q, i, &ql);
-        slash = strrchr(ql.name, '/');
-        if (!slash) continue;
-        {
-            char layer[64];
-            snprintf(layer, sizeof layer, "%.*s", (int)(slash - ql.name), ql.name);
-            P = mpt__qat_partial_point(m, &m->layers[layer_named(m, layer)], atoi(slash + 1));
-        }
-        want = mpt__q_params(P->min, P->max);
-        CHECK(ql.output.scale == want.scale && ql.output.zero_point == want.zero_point,
-              "'%s': scale %g, zero point %d; its learned range [%g, %g] gives %g, %d", ql.name,
-              (double)ql.output.scale, (int)ql.output.zero_point, (double)P->min,
-              (double)P->max, (double)want.scale, (int)want.zero_point);
-        partials++;
-    }
+    partials = partial_scales(m, q);
     CHECK(partials == 4, "%d partials in the int8 model, not 4", partials);
     memset(&fq_out, 0, sizeof fq_out), memset(&int_out, 0, sizeof int_out);
     memset(&int2_out, 0, sizeof int2_out);
@@ -1216,6 +1226,42 @@ done:
     mpt_context_destroy(ctx);
 }
 
+/* Mixed precision: the merges compute in float16, their partials
+   fake-quantized in float32 and stored in float16 (mpt__qat_apply);
+   training goes on, every partial learns a finite range, and the
+   conversion quantizes each with it. */
+static void test_merges_mixed_precision(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = merge_graph(ctx, MPT_POLICY_MIXED_FLOAT16), *q = NULL;
+    int64_t sample[1] = {MV};
+    mpt_dataset *d;
+    mpt_logs logs;
+    int i;
+    make_merge_data();
+    d = dataset(ctx, MN, 1, sample, merge_x, merge_y);
+    CHECK(m->layers[layer_named(m, "avg3")].dtype == MPT_FLOAT16, "the Average computes in %s",
+          mpt_dtype_name(m->layers[layer_named(m, "avg3")].dtype));
+    CHECK(mpt_model_quantize_aware(m, NULL) == MPT_OK &&
+              mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 6, .batch_size = 32}) == MPT_OK &&
+              mpt_model_evaluate(m, d, NULL, &logs) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_logs_get(&logs, "accuracy") > 0.6, "accuracy %.3f",
+          mpt_logs_get(&logs, "accuracy"));
+    for (i = 0; m->qat && i < m->qat->n_partials; i++)
+        CHECK(m->qat->partial[i].seen && isfinite(m->qat->partial[i].min) &&
+                  isfinite(m->qat->partial[i].max) &&
+                  m->qat->partial[i].min < m->qat->partial[i].max,
+              "partial %d: range [%g, %g]", i, (double)m->qat->partial[i].min,
+              (double)m->qat->partial[i].max);
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
+              MPT_OK && partial_scales(m, q) == 4,
+          "convert: %s", mpt_context_error(ctx));
+    mpt_model_destroy(q);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+}
+
 int main(void) {
     TEST_RUN(test_fake_quant_scalar_reference);
     TEST_RUN(test_forward_values);
@@ -1232,5 +1278,6 @@ int main(void) {
     TEST_RUN(test_overflowing_range_stops_fit);
     TEST_RUN(test_refused_off_the_cpu);
     TEST_RUN(test_merges_of_more_inputs);
+    TEST_RUN(test_merges_mixed_precision);
     return test_summary("test_qat");
 }

@@ -400,6 +400,8 @@
        @impl-qat          quantization-aware training: fake quantization in
                           the forward and backward walks, ranges for the
                           conversion
+       @impl-qat-merge    a merge of more than two inputs or an Average:
+                          its int8 steps' partial results fake-quantized
        @impl-export       the plan both formats read: layers as steps, BN folded
        @impl-export-tflite  FlatBuffers, built back to front
        @impl-tflite-graph the float TFLite graph: tensors, operators, buffers;
@@ -2551,9 +2553,12 @@ MPTDEF int mpt_strategy_num_workers(const mpt_strategy *s);
    mpt_model_predict_outputs gives each output; the files have its inputs
    ("input", then each added input by its InputLayer's name) and outputs
    (each output layer's name) in that order, as the float files.
-   mpt_model_evaluate of a quantized model of several outputs and
-   mpt_model_quantized_invoke of one of several inputs or outputs are
-   refused with MPT_ERR_UNSUPPORTED.
+   mpt_model_evaluate of a quantized model of several outputs gives what
+   the float model's gives on its outputs: "loss" the sum of
+   loss_weights[k] times output k's mean loss, then each output's loss
+   and metrics under the names the float model's evaluate gives them
+   ("<layer>_loss", "<layer>_accuracy"). mpt_model_quantized_invoke_io
+   runs one batch of every input to every output.
    A transformer (examples/gpt.c) quantizes in dynamic range and float16:
    Embedding (GATHER; the model's int32 ids in, an id outside the table
    refused by predict as by the float model), PositionEmbedding and
@@ -2768,10 +2773,25 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
    (batch, input shape...) in the model's io_dtype (int32 ids for a model
    of int32 input: mpt_model_desc.input_dtype), y is filled with
    (batch, output shape...) in io_dtype (float32: dequantized). y is
-   allocated here (owned; mpt_tensor_free). Any batch size. A model of
-   several inputs or outputs is refused (MPT_ERR_UNSUPPORTED): predict a
-   dataset of them all (mpt_model_predict_outputs). */
+   allocated here (owned; mpt_tensor_free). Any batch size. For a model of
+   one input and one output; a model of more takes them all in
+   mpt_model_quantized_invoke_io (MPT_ERR_INVALID_ARGUMENT here). */
 MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y);
+
+/* invoke of a model of any number of inputs and outputs, as an
+   interpreter's invoke after set_tensor on each input: xs[k] is input k
+   (n_inputs of them in the model's order: input 0, then each added
+   input, as mpt_quantized_info's inputs), each (batch, its shape...) in
+   io_dtype (int32 ids for an input of ids; full integer: in the codes of
+   its own scale and zero point), one batch for them all; ys[k] is filled
+   with output k (n_outputs, the model's order), allocated here as y is
+   (on failure every one empty). The same values as
+   mpt_model_predict_outputs of the same batch (float32 io: the same
+   bits). n_inputs and n_outputs must be the model's
+   (MPT_ERR_INVALID_ARGUMENT); an input of the wrong dtype or shape is
+   MPT_ERR_DTYPE or MPT_ERR_SHAPE naming it. */
+MPTDEF mpt_status mpt_model_quantized_invoke_io(mpt_model *m, const mpt_tensor *xs, int n_inputs,
+                                                mpt_tensor *ys, int n_outputs);
 
 /* Quantization-aware training, as tfmot's quantize_model: the float model
    trains with the full-integer model's rounding in its forward pass, so
@@ -2830,11 +2850,14 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    (MPT_ERR_UNSUPPORTED): a CUDA context, a strategy, a layer the
    full-integer model has no form for, a Dense or Conv2D ending in an
    activation other than ReLU, unless it is the model's final softmax
-   (use activation none and an Activation layer), a merge of more than
-   two inputs or an Average (the int8 model's partial sums are no layer's
-   output), and a BatchNormalization that does not fold (the output of
-   its MUL, before the ADD, is no layer's either: post-training
-   quantization takes it).
+   (use activation none and an Activation layer), and a BatchNormalization
+   that does not fold (the output of its MUL, before the ADD, is no
+   layer's output: post-training quantization takes it). A merge of more
+   than two inputs, or an Average, trains as the int8 model computes it:
+   each partial result of its two-input steps ("<layer>/<k>", an
+   Average's sums before its MUL by 1/n) is fake-quantized with a
+   moving-average range of its own, the gradient masked outside it as at
+   every point, and the conversion quantizes that partial with it.
    mpt_model_save_weights and mpt_model_save_checkpoint write the float32
    masters and the learned ranges, which a quantization-aware model loading
    either file takes back (@checkpoints), so that a run resumed, or a model
@@ -8686,12 +8709,23 @@ static void mpt__merge_op(const mpt__layer *L, const mpt__pass *p, mpt_elementwi
     p->be->elementwise(p->impl, op, L->dtype, y, a, b, alpha, p->batch * L->in_count);
 }
 
-/* y = x0 op x1 op x2 ..., left to right; an Average then divided by n. */
-static void mpt__merge_forward(mpt__layer *L, const mpt__pass *p) {
+/* Defined below, in @impl-qat-merge: under quantization-aware training,
+   a merge whose int8 form has partial results runs there (1), each
+   partial fake-quantized; 0: the layer's own passes. */
+static int mpt__qat_merge_forward(mpt__layer *L, const mpt__pass *p);
+static int mpt__qat_merge_backward(mpt__layer *L, const mpt__pass *p);
+
+static mpt_elementwise_op mpt__merge_fold_op(const mpt__layer *L) {
     static const mpt_elementwise_op fold[] = {MPT_ELEMENTWISE_ADD, MPT_ELEMENTWISE_SUBTRACT,
                                               MPT_ELEMENTWISE_MULTIPLY, MPT_ELEMENTWISE_ADD};
-    mpt_elementwise_op op = fold[L->ops->kind - MPT__LAYER_ADD];
+    return fold[L->ops->kind - MPT__LAYER_ADD];
+}
+
+/* y = x0 op x1 op x2 ..., left to right; an Average then divided by n. */
+static void mpt__merge_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt_elementwise_op op = mpt__merge_fold_op(L);
     int s;
+    if (p->model && p->model->qat && mpt__qat_merge_forward(L, p)) return;
     mpt__merge_op(L, p, op, p->y, p->xs[0], p->xs[1], 0);
     for (s = 2; s < p->n_x; s++) mpt__merge_op(L, p, op, p->y, p->y, p->xs[s], 0);
     if (L->ops->kind == MPT__LAYER_AVERAGE)
@@ -8727,6 +8761,7 @@ static void mpt__merge_backward(mpt__layer *L, const mpt__pass *p) {
     size_t bytes = (size_t)mpt__dbytes(L->dtype, p->batch * L->in_count);
     const void *share = p->dy; /* what each input gets (Add, Average) */
     int s;
+    if (p->model && p->model->qat && mpt__qat_merge_backward(L, p)) return;
     switch (L->ops->kind) {
     case MPT__LAYER_MULTIPLY: mpt__multiply_backward(L, p); return;
     case MPT__LAYER_SUBTRACT:
@@ -10680,6 +10715,7 @@ static void mpt__qat_commit(mpt_model *m);
    outputs that have a learned range. */
 typedef struct mpt__qat_saved {
     int layer;           /* whose output; -1: the model's input            */
+    int partial;         /* 0: the layer's output; k: its merge's partial k */
     int64_t initialized; /* 1: a training batch has set min and max; 0: not */
     float min, max;
 } mpt__qat_saved;
@@ -16516,18 +16552,20 @@ static const mpt_step_state *mpt__tally_output(const mpt__tally *t, int k) {
     return k ? &t->output[k] : &t->record;
 }
 
-/* A model of several outputs: "loss", the weighted sum Σ w_k · loss_k of
-   the outputs' mean losses, then each output's loss and metrics under
+/* A model of n_outputs outputs: "loss", the weighted sum Σ w_k · loss_k
+   of the outputs' mean losses, then each output's loss and metrics under
    its names, each from its record (r2 and auc output 0's alone). The
-   outputs' records count the same samples. */
-static void mpt__outputs_logs(const mpt_model *m, const mpt__tally *t, int validation,
-                              mpt_logs *logs) {
+   outputs' records count the same samples. (A quantized model has no
+   layers: n_outputs is its operations' count, the weights and names
+   copied from the float model by mpt_model_quantize.) */
+static void mpt__outputs_logs(const mpt_model *m, int n_outputs, const mpt__tally *t,
+                              int validation, mpt_logs *logs) {
     double n = t->samples ? (double)t->samples : 1.0, total = 0;
     int k;
-    for (k = 0; k < m->n_outputs; k++)
+    for (k = 0; k < n_outputs; k++)
         total += (double)m->loss_weight[k] * (mpt__tally_output(t, k)->loss_sum / n);
     mpt__logs_set(logs, validation ? "val_loss" : "loss", total);
-    for (k = 0; k < m->n_outputs; k++) {
+    for (k = 0; k < n_outputs; k++) {
         const char(*names)[MPT__LOG_NAME_MAX] = m->output_log[k][validation != 0];
         const mpt_step_state *record = mpt__tally_output(t, k);
         const mpt__metric_counts c =
@@ -16550,7 +16588,7 @@ static void mpt__tally_logs(const mpt_model *m, const mpt__tally *t, int validat
     const mpt__metric_counts weighted =
         mpt__record_counts(&t->record, 1, t->samples, t->weighted_r2, t->weighted_auc);
     if (mpt__several_outputs(m)) {
-        mpt__outputs_logs(m, t, validation, logs);
+        mpt__outputs_logs(m, m->n_outputs, t, validation, logs);
         return;
     }
     mpt__logs_set(logs, validation ? "val_loss" : "loss", t->record.loss_sum / n);
@@ -25641,10 +25679,13 @@ static mpt_status mpt__ckpt_add_train(mpt_model *m, mpt__ckpt_plan *pl, int rate
 }
 
 /* "qat/input/<what>" for the model's input's range, "qat/<layer>/output/<what>"
-   for a layer's (no layer name makes the one out of the other). */
+   for a layer's, "qat/<layer>/partial_<k>/<what>" for a merge's partial k
+   (no layer name makes the one out of the other). */
 static void mpt__ckpt_qat_name(const mpt_model *m, const mpt__qat_saved *r, const char *what,
                                char *buf, size_t size) {
     if (r->layer < 0) snprintf(buf, size, "qat/input/%s", what);
+    else if (r->partial)
+        snprintf(buf, size, "qat/%s/partial_%d/%s", m->layers[r->layer].name, r->partial, what);
     else snprintf(buf, size, "qat/%s/output/%s", m->layers[r->layer].name, what);
 }
 
@@ -33829,6 +33870,8 @@ typedef struct mpt__qop {
     char name[64], folded[64];
     const mpt__layer *last;    /* the float layer whose output is this op's output
                                   (quantization-aware training's ranges) */
+    const mpt__layer *merge;   /* a merge's partial result (last NULL): its */
+    int partial;               /* merge layer and k, as in "<layer>/<k>"     */
     mpt__win g;                /* conv and pooling: the window                 */
     int64_t in_count, out_count; /* elements of one sample                     */
     float *w;                  /* (N, K) folded float32 weights, while quantizing */
@@ -34389,9 +34432,10 @@ static mpt_status mpt__q_append_merge(mpt_model *m, mpt__quantized *Q, const mpt
         op->info.n_inputs = 2;
         op->in_t[1] = node_t[L->in_node[k]];
         op->info.inputs[1] = op->in_t[1] - 1;
-        if (!last) { /* no layer's output: no trained range */
+        if (!last) { /* no layer's output: quantization-aware training's own point */
             snprintf(op->name, sizeof op->name, "%.56s/%c", L->name, (char)('0' + k));
             op->last = NULL;
+            op->merge = L, op->partial = k;
         }
     }
     if (kind == MPT__LAYER_AVERAGE) { /* the sum times 1/n, as the float export writes it */
@@ -37571,6 +37615,9 @@ MPTDEF mpt_status mpt_model_quantize(mpt_model *m, const mpt_quantize_desc *desc
     q->quantized = Q;
     q->compiled = m->compiled;
     q->compile = m->compile;
+    /* evaluate's logs of several outputs (mpt__outputs_logs) */
+    memcpy(q->loss_weight, m->loss_weight, sizeof q->loss_weight);
+    memcpy(q->output_log, m->output_log, sizeof q->output_log);
     mpt__keep_exclusions(q, &q->compile.optimizer); /* q's own copy, not m's */
     *out = q;
     return MPT_OK;
@@ -37681,27 +37728,30 @@ static mpt_status mpt__quantized_predict(mpt_model *m, const mpt_dataset *data,
     return s;
 }
 
-/* A batch's predictions (b samples of `per` float32 values) against its
-   targets y and sample weights w (data NULL: none), tallied into st and
-   into the r2_score/auc record (NULL: neither metric) by the CPU
-   backend's loss, as the float model's evaluate tallies its batches
-   (mpt__loss_args): the loss and the weighted metrics each row times its
-   sample's weight, rows_per_sample positions a sample. The loss's checks
-   of mpt_loss_compute come first. */
-static mpt_status mpt__q_tally(mpt_model *m, const float *pred, int64_t b, int64_t per,
+/* A batch's predictions of output k (b samples of `per` float32 values)
+   against its targets y and sample weights w (data NULL: none), tallied
+   into st and into the r2_score/auc record (NULL: neither metric) by the
+   CPU backend's loss, as the float model's evaluate tallies its batches
+   (mpt__loss_args; of several outputs, mpt__output_loss_args: output k's
+   loss and metrics, no weighted ones): the loss and the weighted metrics
+   each row times its sample's weight, rows_per_sample positions a sample.
+   The loss's checks of mpt_loss_compute come first. */
+static mpt_status mpt__q_tally(mpt_model *m, int k, const float *pred, int64_t b, int64_t per,
                                const mpt_tensor *y, const mpt_tensor *w, mpt_step_state *st,
                                double *record, double *parts) {
+    const int several = m->quantized->n_out > 1;
+    const mpt_loss_desc *loss = several ? &m->compile.losses[k] : &m->compile.loss;
     mpt_tensor p;
     mpt_loss_args a;
     mpt__loss_job j;
     double unused = 0;
     int64_t shape[MPT_MAX_RANK + 1];
-    int rank = mpt__q_batch_shape(m, 0, b, shape);
+    int rank = mpt__q_batch_shape(m, k, b, shape);
     MPT__CHECK(mpt_tensor_wrap(m->ctx, &p, MPT_FLOAT32, rank, shape, (void *)(uintptr_t)pred));
-    MPT__CHECK(mpt__loss_job_checked(m->ctx, &m->compile.loss, &p, y, &unused, NULL, &j));
+    MPT__CHECK(mpt__loss_job_checked(m->ctx, loss, &p, y, &unused, NULL, &j));
     memset(&a, 0, sizeof a);
-    a.type = m->compile.loss.type;
-    a.from_logits = m->compile.loss.from_logits;
+    a.type = loss->type;
+    a.from_logits = loss->from_logits;
     a.pred_dtype = MPT_FLOAT32;
     a.pred = pred;
     a.target_dtype = y->dtype;
@@ -37709,80 +37759,105 @@ static mpt_status mpt__q_tally(mpt_model *m, const float *pred, int64_t b, int64
     a.K = mpt__loss_row_width(a.type, shape[rank - 1]);
     a.rows_per_sample = per / a.K;
     a.rows = b * a.rows_per_sample;
-    a.metrics = m->compile.metrics;
+    a.metrics = several ? m->compile.output_metrics[k] : m->compile.metrics;
     a.top_k = m->compile.top_k;
     a.state = st;
     a.sample_weight = (const float *)w->data;
-    a.weighted_metrics = m->compile.weighted_metrics;
+    a.weighted_metrics = several ? 0 : m->compile.weighted_metrics;
     a.metric_sums = record;
     a.metric_parts = parts;
     mpt__cpu_loss(m->ctx, &a);
     return MPT_OK;
 }
 
+/* evaluate's checks of a quantized model and its data: compiled, a
+   batch size, samples fitting its inputs, one label tensor an output. */
+static mpt_status mpt__q_evaluate_check(mpt_model *m, const mpt_dataset *data, int64_t batch) {
+    const int outs = m->quantized->n_out;
+    if (!m->compiled)
+        return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first (quantizing a "
+                         "compiled model keeps its loss and metrics)");
+    if (batch < 0)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: batch_size %lld must be > 0",
+                         (long long)batch);
+    MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
+    MPT__CHECK(mpt__check_has_targets(m, data, "evaluate"));
+    if (data->n_labels != outs)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: the dataset holds %d label "
+                         "tensor%s but the model has %d output%s (mpt_dataset_desc.labels: one "
+                         "an output, in its order)", data->n_labels,
+                         data->n_labels == 1 ? "" : "s", outs, outs == 1 ? "" : "s");
+    return MPT_OK;
+}
+
+/* evaluate's r2_score and auc record of a model of one output (NULL
+   where its metrics need none: compile refuses them with several), with
+   the partials' room after it; classes: the loss's row width. */
+static mpt_status mpt__q_metric_record(mpt_model *m, int64_t *classes, double **record) {
+    int64_t shape[MPT_MAX_RANK + 1];
+    int rank = mpt__q_batch_shape(m, 0, 1, shape);
+    *classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
+    *record = NULL;
+    if (m->quantized->n_out > 1 ||
+        !((m->compile.metrics | m->compile.weighted_metrics) & MPT__METRICS_EPOCH))
+        return MPT_OK;
+    *record = (double *)mpt__calloc(m->ctx, sizeof(double) * (size_t)(1 + MPT__METRIC_PARTS) *
+                                                (size_t)mpt__metric_record_count(*classes));
+    return *record ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
+}
+
+/* The float model's evaluate on the quantized model's outputs: each
+   batch through the operations, each output's loss and metrics tallied
+   against its labels (of several outputs into t->output[k], as the float
+   model's records), then the logs the float model names. */
 static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
                                           const mpt_evaluate_desc *desc, mpt_logs *logs) {
     const mpt__quantized *Q = m->quantized;
-    int64_t n, batch, per = mpt__q_out_count(Q, 0), *order = NULL, classes;
+    int64_t n, batch, *order = NULL, classes = 0;
     int8_t byte_table[256];
     mpt__loader *loader = NULL;
     mpt__qwork *w = NULL;
     mpt__tally t;
     mpt_step_state st;
-    float *pred;
+    float *pred[MPT_MAX_OUTPUTS] = {NULL};
     double *record = NULL; /* r2_score's and auc's sums, then the partials'
                               room (MPT__METRIC_PARTS records), or NULL */
-    mpt_tensor xs[MPT_MAX_INPUTS], y;
+    mpt_tensor xs[MPT_MAX_INPUTS], ys[MPT_MAX_OUTPUTS];
     mpt_status s;
+    int k;
     if (!data || !logs)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: NULL %s",
                          !data ? "data" : "logs");
     memset(logs, 0, sizeof *logs);
     memset(&t, 0, sizeof t);
     memset(&st, 0, sizeof st);
-    if (!m->compiled)
-        return mpt__fail(m->ctx, MPT_ERR_STATE, "evaluate: compile the model first (quantizing a "
-                         "compiled model keeps its loss and metrics)");
-    if (Q->n_out > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "evaluate: not for a quantized model of "
-                         "several outputs (%d) yet: mpt_model_predict_outputs gives each "
-                         "output's values", Q->n_out);
     batch = mpt__batch_size_or_default(desc ? desc->batch_size : 0);
-    if (batch < 0)
-        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "evaluate: batch_size %lld must be > 0",
-                         (long long)batch);
-    MPT__CHECK(mpt__check_samples(m, data, "evaluate"));
-    MPT__CHECK(mpt__check_has_targets(m, data, "evaluate"));
+    MPT__CHECK(mpt__q_evaluate_check(m, data, batch));
     n = mpt_dataset_count(data);
     batch = MPT__MAX(1, MPT__MIN(batch, n));
     s = mpt__qwork_reuse(m->ctx, m->quantized, batch, &w);
-    pred = (float *)mpt__alloc(m->ctx, sizeof(float) * (size_t)(batch * per));
-    if (s == MPT_OK && !pred)
-        s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
-    {
-        int64_t shape[MPT_MAX_RANK + 1];
-        int rank = mpt__q_batch_shape(m, 0, 1, shape);
-        classes = mpt__loss_row_width(m->compile.loss.type, shape[rank - 1]);
+    for (k = 0; s == MPT_OK && k < Q->n_out; k++) {
+        pred[k] = (float *)mpt__alloc(m->ctx, sizeof(float) *
+                                                  (size_t)(batch * mpt__q_out_count(Q, k)));
+        if (!pred[k]) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
     }
-    if (s == MPT_OK && ((m->compile.metrics | m->compile.weighted_metrics) & MPT__METRICS_EPOCH)) {
-        record = (double *)mpt__calloc(m->ctx, sizeof(double) * (size_t)(1 + MPT__METRIC_PARTS) *
-                                                   (size_t)mpt__metric_record_count(classes));
-        if (!record) s = mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "evaluate: out of memory");
-    }
+    if (s == MPT_OK) s = mpt__q_metric_record(m, &classes, &record);
     if (s == MPT_OK)
         s = mpt__q_loader_open(m, data, batch, "evaluate", byte_table, &order, &loader);
-    while (s == MPT_OK && mpt__loader_next(loader, &xs[0], &y)) {
+    while (s == MPT_OK && mpt__loader_next(loader, &xs[0], &ys[0])) {
         mpt_tensor weights;
         mpt__loader_inputs(loader, xs);
-        s = mpt__q_run(m->ctx, Q, xs, byte_table, &pred, w);
+        mpt__loader_labels(loader, ys);
         mpt__loader_weights(loader, &weights);
-        if (s == MPT_OK)
-            s = mpt__q_tally(m, pred, xs[0].shape[0], per, &y, &weights, &st, record,
+        s = mpt__q_run(m->ctx, Q, xs, byte_table, pred, w);
+        for (k = 0; s == MPT_OK && k < Q->n_out; k++)
+            s = mpt__q_tally(m, k, pred[k], xs[0].shape[0], mpt__q_out_count(Q, k), &ys[k],
+                             &weights, k ? &t.output[k] : &st, record,
                              record ? record + mpt__metric_record_count(classes) : NULL);
     }
     mpt__loader_destroy(loader);
     mpt__free(m->ctx, order);
-    mpt__free(m->ctx, pred);
+    for (k = 0; k < Q->n_out; k++) mpt__free(m->ctx, pred[k]);
     mpt__tally_from_state(&st, &t);
     if (s == MPT_OK && record) {
         const int64_t list = mpt__metric_list_count(classes);
@@ -37792,7 +37867,8 @@ static mpt_status mpt__quantized_evaluate(mpt_model *m, const mpt_dataset *data,
         t.weighted_auc = mpt__auc_result(record + list, classes);
     }
     mpt__free(m->ctx, record);
-    if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
+    if (s == MPT_OK && Q->n_out > 1) mpt__outputs_logs(m, Q->n_out, &t, 0, logs);
+    else if (s == MPT_OK) mpt__tally_logs(m, &t, 0, logs);
     return s;
 }
 
@@ -37891,56 +37967,124 @@ MPTDEF mpt_status mpt_model_quantized_layer(const mpt_model *m, int index,
     return MPT_OK;
 }
 
-MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y) {
+/* invoke's inputs checked against the model's: each one's data, dtype
+   (io_dtype, or int32 for an input of ids), (batch, sample...) shape, and
+   one batch for them all; in a model of several inputs the message names
+   the input. */
+static mpt_status mpt__q_invoke_check(mpt_model *m, const mpt_tensor *xs) {
+    const mpt__quantized *Q = m->quantized;
+    char what[160], got[96], want[96];
+    int k, i, ok;
+    for (k = 0; k < Q->n_in; k++) {
+        const mpt_tensor *x = &xs[k];
+        const int ids = k ? Q->in_ids[k] : m->desc.input_dtype == MPT_INT32;
+        const mpt_dtype dtype = ids ? MPT_INT32 : Q->io_dtype;
+        if (Q->n_in > 1)
+            snprintf(what, sizeof what, "quantized_invoke: input %d ('%s')", k,
+                     k ? Q->in_name[k] : "input");
+        else
+            snprintf(what, sizeof what, "quantized_invoke");
+        if (!x->data)
+            return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "%s: NULL data", what);
+        if (x->dtype != dtype)
+            return mpt__fail(m->ctx, MPT_ERR_DTYPE, "%s: input dtype %s, but the model takes %s",
+                             what, mpt_dtype_name(x->dtype), mpt_dtype_name(dtype));
+        if (x->rank < 2 || x->shape[0] < 1)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: input rank %d is not (batch, "
+                             "sample...)", what, x->rank);
+        if (x->shape[0] != xs[0].shape[0])
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: a batch of %lld samples, but input 0's "
+                             "is %lld", what, (long long)x->shape[0], (long long)xs[0].shape[0]);
+        if (!k) {
+            MPT__CHECK(mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, what));
+            continue;
+        }
+        ok = x->rank - 1 == Q->in_rank[k];
+        for (i = 0; ok && i < Q->in_rank[k]; i++) ok = x->shape[1 + i] == Q->in_shape[k][i];
+        if (!ok)
+            return mpt__fail(m->ctx, MPT_ERR_SHAPE, "%s: samples of shape %s do not fit the "
+                             "model's input %s", what,
+                             mpt_shape_format(got, sizeof got, x->rank - 1, x->shape + 1),
+                             mpt_shape_format(want, sizeof want, Q->in_rank[k], Q->in_shape[k]));
+    }
+    return MPT_OK;
+}
+
+/* Full integer with int8 or uint8 io: each input's codes into its slot
+   (uint8's are the int8 ones + 128: mpt__q_io_params_of), the integer
+   pass, each output's codes out. */
+static mpt_status mpt__q_invoke_codes(mpt_model *m, const mpt_tensor *xs, int64_t n,
+                                      mpt_tensor *ys, mpt__qwork *w) {
+    const mpt__quantized *Q = m->quantized;
+    const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
+    const void *outs[MPT_MAX_OUTPUTS];
+    int64_t i, count;
+    int k;
+    for (k = 0; k < Q->n_in; k++) {
+        int8_t *q = (int8_t *)w->act[Q->slot[-k]];
+        count = n * mpt__q_tensor_elements(Q, -k);
+        for (i = 0; i < count; i++)
+            q[i] = (int8_t)(shift ? ((const uint8_t *)xs[k].data)[i] - 128
+                                  : ((const int8_t *)xs[k].data)[i]);
+        if (k) w->added[k] = q;
+    }
+    MPT__CHECK(mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, w->act[Q->slot[0]], n, w, NULL, outs));
+    for (k = 0; k < Q->n_out; k++) {
+        count = n * mpt__q_out_count(Q, k);
+        for (i = 0; i < count; i++) {
+            const int v = ((const int8_t *)outs[k])[i] + shift;
+            if (shift) ((uint8_t *)ys[k].data)[i] = (uint8_t)v;
+            else ((int8_t *)ys[k].data)[i] = (int8_t)v;
+        }
+    }
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_model_quantized_invoke_io(mpt_model *m, const mpt_tensor *xs, int n_inputs,
+                                                mpt_tensor *ys, int n_outputs) {
     const mpt__quantized *Q;
-    int64_t n, k, shape[MPT_MAX_RANK], count;
+    int64_t n, shape[MPT_MAX_RANK + 1];
     mpt__qwork *w = NULL;
-    const void *out = NULL, *outs[MPT_MAX_OUTPUTS];
-    mpt_status s;
+    mpt_status s = MPT_OK;
+    int k;
     if (!m) return MPT_ERR_INVALID_ARGUMENT;
-    if (!x || !y || !x->data)
+    if (!xs || !ys)
         return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_invoke: NULL %s",
-                         !y ? "y" : "x");
-    memset(y, 0, sizeof *y);
+                         !ys ? "outputs" : "inputs");
+    if (n_outputs > 0) memset(ys, 0, sizeof *ys * (size_t)MPT__MIN(n_outputs, MPT_MAX_OUTPUTS));
     if (!m->quantized)
         return mpt__fail(m->ctx, MPT_ERR_STATE, "quantized_invoke: the model is not quantized");
     Q = m->quantized;
-    if (Q->n_in > 1 || Q->n_out > 1)
-        return mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantized_invoke: the model has %d inputs "
-                         "and %d outputs, and invoke takes one of each: predict a dataset of "
-                         "them all (mpt_model_predict_outputs)", Q->n_in, Q->n_out);
-    if (x->dtype != (m->desc.input_dtype == MPT_INT32 ? MPT_INT32 : Q->io_dtype)) /* ids */
-        return mpt__fail(m->ctx, MPT_ERR_DTYPE, "quantized_invoke: input dtype %s, but the "
-                         "model takes %s", mpt_dtype_name(x->dtype),
-                         mpt_dtype_name(m->desc.input_dtype == MPT_INT32 ? MPT_INT32
-                                                                        : Q->io_dtype));
-    if (x->rank < 2 || x->shape[0] < 1)
-        return mpt__fail(m->ctx, MPT_ERR_SHAPE, "quantized_invoke: input rank %d is not (batch, "
-                         "sample...)", x->rank);
-    MPT__CHECK(mpt__check_sample_shape(m, x->rank - 1, x->shape + 1, "quantized_invoke"));
-    n = x->shape[0];
-    count = n * mpt__q_out_count(Q, 0);
-    MPT__CHECK(mpt_tensor_alloc(m->ctx, y, Q->io_dtype, mpt__q_batch_shape(m, 0, n, shape), shape));
-    s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
+    if (n_inputs != Q->n_in || n_outputs != Q->n_out)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_invoke: the model has %d "
+                         "input%s and %d output%s, but %d and %d were given%s", Q->n_in,
+                         Q->n_in == 1 ? "" : "s", Q->n_out, Q->n_out == 1 ? "" : "s", n_inputs,
+                         n_outputs, n_inputs == 1 && n_outputs == 1
+                                        ? " (mpt_model_quantized_invoke_io takes them all)"
+                                        : "");
+    MPT__CHECK(mpt__q_invoke_check(m, xs));
+    n = xs[0].shape[0];
+    for (k = 0; s == MPT_OK && k < n_outputs; k++)
+        s = mpt_tensor_alloc(m->ctx, &ys[k], Q->io_dtype, mpt__q_batch_shape(m, k, n, shape),
+                             shape);
+    if (s == MPT_OK) s = mpt__qwork_reuse(m->ctx, m->quantized, n, &w);
     if (s == MPT_OK && Q->io_dtype == MPT_FLOAT32) {
-        float *ys = (float *)y->data;
-        s = mpt__q_run(m->ctx, Q, x, NULL, &ys, w);
+        float *out[MPT_MAX_OUTPUTS];
+        for (k = 0; k < n_outputs; k++) out[k] = (float *)ys[k].data;
+        s = mpt__q_run(m->ctx, Q, xs, NULL, out, w);
     } else if (s == MPT_OK) {
-        /* uint8 codes are the int8 ones + 128 (mpt__q_io_params) */
-        int8_t *xq = (int8_t *)w->act[0]; /* tensor 0's slot (mpt__q_plan) */
-        const int shift = Q->io_dtype == MPT_UINT8 ? 128 : 0;
-        for (k = 0; k < n * Q->in_count; k++)
-            xq[k] = (int8_t)(shift ? ((const uint8_t *)x->data)[k] - 128 : ((const int8_t *)x->data)[k]);
-        s = mpt__q_forward(m->ctx, Q, MPT__QX_INTEGER, xq, n, w, NULL, outs);
-        out = outs[0];
-        for (k = 0; s == MPT_OK && k < count; k++) {
-            int v = ((const int8_t *)out)[k] + shift;
-            if (shift) ((uint8_t *)y->data)[k] = (uint8_t)v;
-            else ((int8_t *)y->data)[k] = (int8_t)v;
-        }
+        s = mpt__q_invoke_codes(m, xs, n, ys, w);
     }
-    if (s != MPT_OK) mpt_tensor_free(m->ctx, y);
+    for (k = 0; s != MPT_OK && k < n_outputs; k++) mpt_tensor_free(m->ctx, &ys[k]);
     return s;
+}
+
+MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, mpt_tensor *y) {
+    if (!m) return MPT_ERR_INVALID_ARGUMENT;
+    if (!x || !y)
+        return mpt__fail(m->ctx, MPT_ERR_INVALID_ARGUMENT, "quantized_invoke: NULL %s",
+                         !y ? "y" : "x");
+    return mpt_model_quantized_invoke_io(m, x, 1, y, 1);
 }
 
 /* =============================================================================
@@ -37951,8 +38095,9 @@ MPTDEF mpt_status mpt_model_quantized_invoke(mpt_model *m, const mpt_tensor *x, 
    mpt_model_quantize_aware finds what to fake-quantize by building the
    full-integer operations once (mpt__q_build_ops, the conversion's own
    rules): each operation's output is some layer's output (mpt__qop's
-   `last`), and that layer gets a point (mpt__qat_point) that quantizes
-   its output after its forward (mpt__qat_forward_end). The quantized
+   `last`; a merge's partial results, no layer's, have points of their
+   own: @impl-qat-merge), and that layer gets a point (mpt__qat_point)
+   that quantizes its output after its forward (mpt__qat_forward_end). The quantized
    tensor goes into the point's buffer, which the next layer reads (in a
    graph, every layer reading that node: mpt__qat_output); the
    layer's own output stays as computed, for its backward (a ReLU's
@@ -37985,6 +38130,8 @@ typedef struct mpt__qat_point {
     void *out;                  /* (max_batch, out_count) in the layer's dtype:
                                    the quantized tensor; the last layer's: the
                                    unquantized copy                           */
+    void *pre;                  /* a merge's partial: its unquantized value   */
+    int partial_of;             /* a merge's partial: 1 + the layer's index   */
 } mpt__qat_point;
 
 struct mpt__qat {
@@ -38005,6 +38152,13 @@ struct mpt__qat {
                                   since fit last looked (mpt__qat_overflow) */
     int overflow_layer;        /* the first such: a layer, or −1 the input  */
     float overflow_min, overflow_max; /* and its range                      */
+    /* The int8 model's partial results of merges of more than two inputs
+       and of Averages (@impl-qat-merge): layer i's partial k (1..) is
+       partial[first_partial[i] + k − 1] (first_partial −1: none). */
+    int n_partials;
+    mpt__qat_point *partial;
+    int *first_partial;        /* [n_layers]                                   */
+    void *carried;             /* their backward's gradient carried down      */
 };
 
 #define MPT__QAT_CHUNK 1024
@@ -38187,7 +38341,9 @@ static void mpt__qat_point_run(mpt_model *m, mpt__qat_point *P, mpt_dtype dtype,
                    tensor becomes NaN, so the step is skipped, and the range
                    is not kept; fit names the layer (mpt__qat_overflow). */
                 m->qat->overflowed = 1;
-                m->qat->overflow_layer = P == &m->qat->input ? -1 : (int)(P - m->qat->point);
+                m->qat->overflow_layer = P == &m->qat->input ? -1
+                                         : P->partial_of  ? P->partial_of - 1
+                                                          : (int)(P - m->qat->point);
                 m->qat->overflow_min = lo, m->qat->overflow_max = hi;
             }
         } else if (P->seen) {
@@ -38360,6 +38516,7 @@ static void mpt__qat_commit(mpt_model *m) {
     int i;
     mpt__qat_commit_point(&m->qat->input);
     for (i = 0; i < m->n_layers; i++) mpt__qat_commit_point(&m->qat->point[i]);
+    for (i = 0; i < m->qat->n_partials; i++) mpt__qat_commit_point(&m->qat->partial[i]);
 }
 
 static void mpt__qat_free(mpt_model *m) {
@@ -38371,6 +38528,13 @@ static void mpt__qat_free(mpt_model *m) {
         if (Q->kernel) mpt__free(m->ctx, Q->kernel[i]); /* the model goes too: no compute
                                                              copy is pointed back */
     }
+    for (i = 0; Q->partial && i < Q->n_partials; i++) {
+        mpt__free(m->ctx, Q->partial[i].out);
+        mpt__free(m->ctx, Q->partial[i].pre);
+    }
+    mpt__free(m->ctx, Q->partial);
+    mpt__free(m->ctx, Q->first_partial);
+    mpt__free(m->ctx, Q->carried);
     mpt__free(m->ctx, Q->input.out);
     mpt__free(m->ctx, Q->point);
     mpt__free(m->ctx, Q->batchnorm);
@@ -38380,6 +38544,10 @@ static void mpt__qat_free(mpt_model *m) {
     mpt__free(m->ctx, Q);
     m->qat = NULL;
 }
+
+/* Defined below, in @impl-qat-merge. */
+static mpt__qat_point *mpt__qat_partial_point(const mpt_model *m, const mpt__layer *L, int k);
+static mpt_status mpt__qat_plan_partials(mpt_model *m, int64_t *tensor);
 
 /* The conversion's ranges: the input's, and each operation's output's
    from the point of the layer it ends at (operations that keep their
@@ -38400,12 +38568,14 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
         lo[-i] = P->min, hi[-i] = P->max;
     }
     for (i = 0; i < Q->n_ops; i++) {
-        const mpt__qat_point *P = &T->point[Q->ops[i].last - m->layers];
+        const mpt__qop *op = &Q->ops[i];
+        const mpt__qat_point *P = op->last ? &T->point[op->last - m->layers]
+                                           : mpt__qat_partial_point(m, op->merge, op->partial);
         lo[i + 1] = hi[i + 1] = 0;
         if (P->kind != MPT__QAT_LEARNED) continue;
         if (!P->seen)
-            return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: layer '%s' has no trained range",
-                             Q->ops[i].last->name);
+            return mpt__fail(m->ctx, MPT_ERR_STATE, "quantize: %s '%s' has no trained range",
+                             op->last ? "layer" : "the partial result", op->name);
         lo[i + 1] = P->min, hi[i + 1] = P->max;
     }
     return MPT_OK;
@@ -38415,16 +38585,32 @@ static mpt_status mpt__qat_ranges(mpt_model *m, const mpt__quantized *Q, float *
 
 static int mpt__qat_learned(const mpt__qat_point *P) { return P->kind == MPT__QAT_LEARNED; }
 
-/* Every learned range, the input's first, then the layers' in order, into
+/* Saved range i (mpt__qat_ranges_out's walk): −1 the input, then the
+   layers', then the merges' partials. */
+static mpt__qat_point *mpt__qat_saved_point(const mpt_model *m, int i) {
+    return i < 0 ? &m->qat->input : i < m->n_layers ? &m->qat->point[i]
+                                                    : &m->qat->partial[i - m->n_layers];
+}
+
+/* Whose range saved range i is: its layer, and k for a merge's partial k
+   (counted from the layer's first: mpt__qat_plan_partials). */
+static void mpt__qat_saved_place(const mpt_model *m, int i, mpt__qat_saved *r) {
+    const mpt__qat_point *P = mpt__qat_saved_point(m, i);
+    r->layer = i < m->n_layers ? i : P->partial_of - 1;
+    r->partial = i < m->n_layers ? 0 : i - m->n_layers - m->qat->first_partial[r->layer] + 1;
+}
+
+/* Every learned range, the input's first, then the layers' in order, then
+   the merges' partials, into
    out (when not NULL); returns how many there are (0 without QAT). A range
    no training batch has set goes out as 0, 0, not initialized. */
 static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out) {
     int i, n = 0;
-    for (i = -1; m->qat && i < m->n_layers; i++) {
-        const mpt__qat_point *P = i < 0 ? &m->qat->input : &m->qat->point[i];
+    for (i = -1; m->qat && i < m->n_layers + m->qat->n_partials; i++) {
+        const mpt__qat_point *P = mpt__qat_saved_point(m, i);
         if (!mpt__qat_learned(P)) continue;
         if (out) {
-            out[n].layer = i;
+            mpt__qat_saved_place(m, i, &out[n]);
             out[n].initialized = P->seen;
             out[n].min = P->seen ? P->min : 0.0f;
             out[n].max = P->seen ? P->max : 0.0f;
@@ -38441,8 +38627,8 @@ static int mpt__qat_ranges_out(const mpt_model *m, mpt__qat_saved *out) {
    belonged to the model before the load: dropped. */
 static void mpt__qat_ranges_in(mpt_model *m, const mpt__qat_saved *in) {
     int i, n = 0;
-    for (i = -1; m->qat && i < m->n_layers; i++) {
-        mpt__qat_point *P = i < 0 ? &m->qat->input : &m->qat->point[i];
+    for (i = -1; m->qat && i < m->n_layers + m->qat->n_partials; i++) {
+        mpt__qat_point *P = mpt__qat_saved_point(m, i);
         P->measured = 0;
         if (!mpt__qat_learned(P)) continue;
         P->seen = in ? (int)in[n].initialized : 0;
@@ -38537,20 +38723,17 @@ static mpt_status mpt__qat_plan(mpt_model *m) {
     mpt_status s = Q ? MPT_OK : mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
                                                                           "of memory");
     if (s == MPT_OK) s = mpt__q_build_ops(m, Q);
+    if (s == MPT_OK) s = mpt__qat_plan_partials(m, &tensor);
     for (i = 0; s == MPT_OK && i < Q->n_ops; i++)
         s = Q->ops[i].last ? mpt__qat_plan_op(m, &Q->ops[i])
-            : Q->ops[i].info.n_constants /* an unfolded BatchNormalization's MUL; its ADD next */
-                ? mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: BatchNormalization "
+            : Q->ops[i].merge ? MPT_OK /* a merge's partial: mpt__qat_plan_partials */
+            /* else an unfolded BatchNormalization's MUL; its ADD next */
+            : mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: BatchNormalization "
                             "'%s' does not directly follow a Dense or Conv2D without activation "
                             "(read by nothing else): the int8 model computes it as a MUL then an "
                             "ADD, whose intermediate no layer outputs for training to "
                             "fake-quantize (put it before the activation, or quantize after "
-                            "training without quantize_aware)", Q->ops[i + 1].name)
-                : mpt__fail(m->ctx, MPT_ERR_UNSUPPORTED, "quantize_aware: '%s' is a "
-                            "step of a merge of more than two inputs (or of an "
-                            "Average), whose partial result no layer outputs for "
-                            "training to fake-quantize: merge two at a time",
-                            Q->ops[i].name);
+                            "training without quantize_aware)", Q->ops[i + 1].name);
     mpt__quantized_free(m->ctx, Q);
     T->input.kind = MPT__QAT_LEARNED;
     for (i = 1; i < m->n_inputs; i++) /* each added input, a tensor of its own */
@@ -38626,6 +38809,149 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
                                                      : "has not met a training batch yet");
     *min = P->min, *max = P->max;
     return MPT_OK;
+}
+
+/* =============================================================================
+   @impl-qat-merge  quantization-aware training of a merge of more than two
+   inputs, or of an Average: its int8 steps' partial results fake-quantized
+   =============================================================================
+
+   The full-integer model computes an Add, Subtract or Multiply of n inputs
+   as n − 1 two-input operations, and an Average as n − 1 ADDs then a MUL
+   by 1/n (mpt__q_append_merge); every step's output but the merge's own
+   ("<layer>/<k>", and the Average's sum) is a tensor of its own
+   quantization, no layer's output. Here each has a point of its own
+   (mpt__qat's partials): the merge's forward runs those steps, each
+   partial result fake-quantized with a moving-average range exactly as
+   the other points (mpt__qat_point_run, committed with them, saved in
+   checkpoints as "qat/<layer>/partial_<k>/..."), which the conversion
+   gives that partial; the next step reads the fake-quantized value. The
+   backward pass follows the same steps back: the gradient carried down
+   is masked where a partial's unquantized value lay outside its range
+   (the straight-through rule, as at every point), and a Multiply's
+   input takes the carried gradient times the quantized partial before
+   it. The merge's own output is the layer's point, as ever. */
+
+/* Layer L's partial results in the int8 model: an Average's n − 1 sums,
+   an Add's, Subtract's or Multiply's n − 2 steps before the last. */
+static int mpt__qat_partial_count(const mpt__layer *L) {
+    const int kind = L->ops->kind;
+    if (kind == MPT__LAYER_AVERAGE) return L->n_in - 1;
+    if (kind == MPT__LAYER_ADD || kind == MPT__LAYER_SUBTRACT || kind == MPT__LAYER_MULTIPLY)
+        return MPT__MAX(0, L->n_in - 2);
+    return 0;
+}
+
+/* Layer L's partial k (1..mpt__qat_partial_count). */
+static mpt__qat_point *mpt__qat_partial_point(const mpt_model *m, const mpt__layer *L, int k) {
+    return &m->qat->partial[m->qat->first_partial[L - m->layers] + k - 1];
+}
+
+/* The partials' points and buffers (each (max_batch, in_count) in the
+   layer's dtype, quantized and not), and the backward's carried
+   gradient; *tensor grows to the largest, for the ranges' scratch. */
+static mpt_status mpt__qat_plan_partials(mpt_model *m, int64_t *tensor) {
+    mpt__qat *T = m->qat;
+    int64_t carried = 0;
+    int i, k, at = 0;
+    T->first_partial = (int *)mpt__alloc(m->ctx, sizeof(int) * (size_t)m->n_layers);
+    if (!T->first_partial) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out "
+                                            "of memory");
+    for (i = 0; i < m->n_layers; i++) {
+        T->first_partial[i] = mpt__qat_partial_count(&m->layers[i]) ? T->n_partials : -1;
+        T->n_partials += mpt__qat_partial_count(&m->layers[i]);
+    }
+    if (!T->n_partials) return MPT_OK;
+    T->partial = (mpt__qat_point *)mpt__calloc(m->ctx, sizeof *T->partial *
+                                                           (size_t)T->n_partials);
+    for (i = 0; T->partial && i < m->n_layers; i++) {
+        const mpt__layer *L = &m->layers[i];
+        const size_t bytes = (size_t)mpt__dbytes(L->dtype, m->max_batch * L->in_count);
+        if (!mpt__qat_partial_count(L)) continue;
+        carried = MPT__MAX(carried, (int64_t)bytes);
+        *tensor = MPT__MAX(*tensor, m->max_batch * L->in_count);
+        for (k = 0; k < mpt__qat_partial_count(L); k++, at++) {
+            mpt__qat_point *P = &T->partial[at];
+            P->kind = MPT__QAT_LEARNED;
+            P->partial_of = i + 1;
+            P->out = mpt__alloc(m->ctx, bytes);
+            P->pre = mpt__alloc(m->ctx, bytes);
+            if (!P->out || !P->pre) return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY,
+                                                     "quantize_aware: out of memory");
+        }
+    }
+    T->carried = T->partial ? mpt__alloc(m->ctx, (size_t)carried) : NULL;
+    if (!T->carried)
+        return mpt__fail(m->ctx, MPT_ERR_OUT_OF_MEMORY, "quantize_aware: out of memory");
+    return MPT_OK;
+}
+
+/* acc = x0; acc = acc op x_k for k = 1 .. n − 1, each step before the
+   last (an Average: every one) fake-quantized by its partial's point; an
+   Average's quantized sum then divided by n, as the float layer divides. */
+static int mpt__qat_merge_forward(mpt__layer *L, const mpt__pass *p) {
+    mpt_model *m = p->model;
+    const int parts = mpt__qat_partial_count(L);
+    const mpt_elementwise_op op = mpt__merge_fold_op(L);
+    const void *acc = p->xs[0];
+    int k;
+    if (!m->qat->first_partial || m->qat->first_partial[L - m->layers] < 0) return 0;
+    for (k = 1; k < p->n_x; k++) {
+        mpt__qat_point *P;
+        if (k > parts) { /* the merge's own step */
+            mpt__merge_op(L, p, op, p->y, acc, p->xs[k], 0);
+            return 1;
+        }
+        P = mpt__qat_partial_point(m, L, k);
+        mpt__merge_op(L, p, op, P->pre, acc, p->xs[k], 0);
+        mpt__qat_point_run(m, P, L->dtype, P->pre, P->out, p->batch * L->in_count,
+                           m->last_training);
+        acc = P->active ? P->out : P->pre;
+    }
+    mpt__merge_op(L, p, MPT_ELEMENTWISE_DIVIDE, p->y, acc, NULL, (float)p->n_x); /* Average */
+    return 1;
+}
+
+/* g (n values) set to 0 where partial P's unquantized value lay outside
+   the range its forward used. */
+static void mpt__qat_partial_mask(mpt_model *m, const mpt__layer *L, const mpt__qat_point *P,
+                                  void *g, int64_t n) {
+    mpt__qat_job j;
+    if (P->kind != MPT__QAT_LEARNED || !P->active) return;
+    j = mpt__qat_job_of(m, L->dtype, P->pre, g, n, &P->used, NULL);
+    mpt__parallel_for(m->ctx, mpt__qat_spans(n), mpt__qat_mask_task, &j);
+}
+
+/* The forward's steps back from dy (an Average's divided by n first): at
+   step k the gradient g of acc_k, masked by its partial, gives dx_k (g,
+   or a Multiply's g times the quantized acc_{k−1}) and g of acc_{k−1}
+   (g, or g times x_k); dx_0 is what reaches acc_0. */
+static int mpt__qat_merge_backward(mpt__layer *L, const mpt__pass *p) {
+    mpt_model *m = p->model;
+    const int parts = mpt__qat_partial_count(L), mul = L->ops->kind == MPT__LAYER_MULTIPLY;
+    const int64_t n = p->batch * L->in_count;
+    const size_t bytes = (size_t)mpt__dbytes(L->dtype, n);
+    void *g = m->qat->carried;
+    int k;
+    if (!m->qat->first_partial || m->qat->first_partial[L - m->layers] < 0) return 0;
+    if (L->ops->kind == MPT__LAYER_AVERAGE)
+        mpt__merge_op(L, p, MPT_ELEMENTWISE_DIVIDE, g, p->dy, NULL, (float)p->n_x);
+    else
+        p->be->copy(p->impl, g, p->dy, bytes);
+    for (k = p->n_x - 1; k >= 1; k--) {
+        const mpt__qat_point *before = k > 1 ? mpt__qat_partial_point(m, L, k - 1) : NULL;
+        const void *acc = !before ? p->xs[0] : before->active ? before->out : before->pre;
+        if (k <= parts) mpt__qat_partial_mask(m, L, mpt__qat_partial_point(m, L, k), g, n);
+        if (p->dxs[k] && mul)
+            mpt__merge_op(L, p, MPT_ELEMENTWISE_MULTIPLY, p->dxs[k], g, acc, 0);
+        else if (p->dxs[k] && L->ops->kind == MPT__LAYER_SUBTRACT)
+            mpt__merge_op(L, p, MPT_ELEMENTWISE_NEGATE, p->dxs[k], g, NULL, 0);
+        else if (p->dxs[k])
+            p->be->copy(p->impl, p->dxs[k], g, bytes);
+        if (mul) mpt__merge_op(L, p, MPT_ELEMENTWISE_MULTIPLY, g, g, p->xs[k], 0);
+    }
+    if (p->dxs[0]) p->be->copy(p->impl, p->dxs[0], g, bytes);
+    return 1;
 }
 
 /* =============================================================================

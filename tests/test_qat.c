@@ -978,6 +978,290 @@ static void test_refused_off_the_cpu(void) {
     mpt_context_destroy(ctx);
 }
 
+/* ---- merges of more than two inputs, and an Average ------------------------------- */
+
+enum { MV = 8, MN = 256 };
+static float merge_x[MN * MV];
+static int32_t merge_y[MN];
+
+/* Vectors in ±1, labelled by the largest of three pair sums. */
+static void make_merge_data(void) {
+    int i, c;
+    test_seed(61);
+    for (i = 0; i < MN * MV; i++) merge_x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < MN; i++) {
+        const float *x = merge_x + i * MV;
+        float best = -INFINITY;
+        for (c = 0; c < CLASSES; c++)
+            if (x[2 * c] + x[2 * c + 1] > best) best = x[2 * c] + x[2 * c + 1], merge_y[i] = c;
+    }
+}
+
+/* Three Dense branches a, b (ReLU) and c (none), an Add of all three
+   ("add3", one partial), an Average of the sum, a and c ("avg3": two
+   partial sums, then the MUL by 1/3), a Multiply of that, b and the sum
+   ("mul3", one partial), logits; the layers in `policy`. */
+static mpt_model *merge_graph(mpt_context *ctx, mpt_policy policy) {
+    mpt_model *m = NULL;
+    mpt_node a, b, c, sum, three[3];
+    mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {MV}, .input_rank = 1, .seed = 9,
+                                            .policy = policy}, &m);
+    a = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 6, .activation = MPT_ACT_RELU});
+    b = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 6, .activation = MPT_ACT_RELU});
+    c = mpt_dense(m, mpt_model_input(m), &(mpt_dense_desc){.units = 6});
+    three[0] = a, three[1] = b, three[2] = c;
+    sum = mpt_add(m, 3, three, &(mpt_merge_desc){.name = "add3"});
+    three[0] = sum, three[1] = a, three[2] = c;
+    three[0] = mpt_average(m, 3, three, &(mpt_merge_desc){.name = "avg3"});
+    three[1] = b, three[2] = sum;
+    three[0] = mpt_multiply(m, 3, three, &(mpt_merge_desc){.name = "mul3"});
+    mpt_dense(m, three[0], &(mpt_dense_desc){.units = CLASSES, .name = "logits"});
+    mpt_model_compile(m, &(mpt_compile_desc){
+        .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = 1},
+        .metrics = MPT_METRIC_ACCURACY});
+    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
+/* Layer `name`'s index, or −1. */
+static int layer_named(const mpt_model *m, const char *name) {
+    int i;
+    for (i = 0; i < m->n_layers; i++)
+        if (!strcmp(m->layers[i].name, name)) return i;
+    return -1;
+}
+
+/* The straight-through rule in double for merge layer L (n inputs of
+   `count` values each) under the partials' ranges the last forward used:
+   acc = x0, acc = acc op x_k, each partial fake-quantized (the reference
+   quantizer) with its gradient passing only inside its range; then the
+   forward's y and every dx against the library's, within float32's
+   rounding. *masked: how many gradient values a partial's range stopped. */
+static void merge_rule(mpt_model *m, const mpt__layer *L, float *const *xs, const float *dy,
+                       float *const *dxs, const float *y, int64_t count, int64_t *masked) {
+    const int n = L->n_in, mul = L->ops->kind == MPT__LAYER_MULTIPLY;
+    const int avg = L->ops->kind == MPT__LAYER_AVERAGE, parts = mpt__qat_partial_count(L);
+    double worst_y = 0, worst_dx = 0;
+    int64_t i;
+    int k;
+    for (i = 0; i < count; i++) {
+        double acc[MPT_MAX_MERGE_INPUTS], inside[MPT_MAX_MERGE_INPUTS], g, want;
+        acc[0] = xs[0][i];
+        for (k = 1; k < n; k++) {
+            float v = mul ? (float)acc[k - 1] * xs[k][i] : (float)acc[k - 1] + xs[k][i];
+            inside[k] = 1;
+            if (k <= parts) {
+                const mpt__qat_point *P = mpt__qat_partial_point(m, L, k);
+                double scale;
+                int zp;
+                ref_params(P->min, P->max, &scale, &zp);
+                inside[k] = v >= (float)((-128 - zp) * scale) && v <= (float)((127 - zp) * scale);
+                v = ref_fake_quant(v, scale, zp);
+            }
+            acc[k] = v;
+        }
+        want = avg ? acc[n - 1] / n : acc[n - 1];
+        worst_y = fmax(worst_y, fabs(want - y[i]) / fmax(1e-3, fabs(want)));
+        g = avg ? (double)dy[i] / n : dy[i];
+        for (k = n - 1; k >= 1; k--) {
+            g *= inside[k];
+            *masked += inside[k] == 0;
+            want = mul ? g * acc[k - 1] : g;
+            worst_dx = fmax(worst_dx, fabs(want - dxs[k][i]) / fmax(1e-3, fabs(want)));
+            if (mul) g *= xs[k][i];
+        }
+        worst_dx = fmax(worst_dx, fabs(g - dxs[0][i]) / fmax(1e-3, fabs(g)));
+    }
+    CHECK(worst_y <= 1e-5, "'%s': y off the rule by %g (relative)", L->name, worst_y);
+    CHECK(worst_dx <= 1e-5, "'%s': dx off the straight-through rule by %g (relative)", L->name,
+          worst_dx);
+}
+
+/* Each merge of m with partials run by hand (its forward, then its
+   backward) on inputs spread past the partials' ranges, with the ranges
+   training learned, against merge_rule; some gradient is masked. */
+static void merge_gradients(mpt_model *m) {
+    static const char *const names[3] = {"add3", "avg3", "mul3"};
+    enum { B = 16 };
+    int t, k;
+    test_seed(62);
+    for (t = 0; t < 3; t++) {
+        const int at = layer_named(m, names[t]);
+        mpt__layer *L = at >= 0 ? &m->layers[at] : NULL;
+        float *xs[MPT_MAX_MERGE_INPUTS], *dxs[MPT_MAX_MERGE_INPUTS], *y, *dy;
+        int64_t count, i, masked = 0;
+        mpt__pass p;
+        CHECK(L != NULL, "no layer '%s'", names[t]);
+        if (!L) continue;
+        count = B * L->in_count;
+        for (k = 0; k < L->n_in; k++) {
+            const mpt__qat_point *P = mpt__qat_partial_point(m, L, 1);
+            const double spread = 1.5 * fmax(fabs(P->min), fabs(P->max)) + 0.1;
+            xs[k] = (float *)malloc(sizeof(float) * (size_t)count);
+            dxs[k] = (float *)malloc(sizeof(float) * (size_t)count);
+            for (i = 0; i < count; i++)
+                xs[k][i] = (float)test_uniform(-spread, spread) /
+                           (L->ops->kind == MPT__LAYER_MULTIPLY ? sqrt(spread) : 1.0);
+        }
+        y = (float *)malloc(sizeof(float) * (size_t)count);
+        dy = (float *)malloc(sizeof(float) * (size_t)count);
+        for (i = 0; i < count; i++) dy[i] = (float)test_uniform(-1, 1);
+        memset(&p, 0, sizeof p);
+        p.ctx = m->ctx, p.model = m, p.be = m->be, p.impl = m->impl, p.batch = B;
+        p.n_x = L->n_in, p.xs = (const void *const *)xs, p.dxs = (void *const *)dxs;
+        p.y = y, p.dy = dy;
+        m->last_training = 0; /* the learned ranges as they are */
+        CHECK(mpt__qat_merge_forward(L, &p) && mpt__qat_merge_backward(L, &p),
+              "'%s': not run as its int8 steps", L->name);
+        merge_rule(m, L, xs, dy, dxs, y, count, &masked);
+        CHECK(masked > 0 && masked < count * (L->n_in - 1), "'%s': %lld of %lld gradient values "
+              "masked: the rule's mask is not tested", L->name, (long long)masked,
+              (long long)(count * (L->n_in - 1)));
+        for (k = 0; k < L->n_in; k++) free(xs[k]), free(dxs[k]);
+        free(y), free(dy);
+    }
+}
+
+/* Every partial of the int8 model q ("<layer>/<k>") quantized with exactly
+   the range its point in m learned; returns how many there are. */
+static int partial_scales(const mpt_model *m, const mpt_model *q) {
+    mpt_quantized_info info;
+    int i, partials = 0;
+    if (!q || mpt_model_quantized_info(q, &info) != MPT_OK) return 0;
+    for (i = 0; i < info.n_layers; i++) {
+        mpt_quantized_layer ql;
+        const char *slash;
+        const mpt__qat_point *P;
+        mpt_quant_params want;
+        char layer[64];
+        mpt_model_quantized_layer(q, i, &ql);
+        slash = strrchr(ql.name, '/');
+        if (!slash) continue;
+        snprintf(layer, sizeof layer, "%.*s", (int)(slash - ql.name), ql.name);
+        P = mpt__qat_partial_point(m, &m->layers[layer_named(m, layer)], atoi(slash + 1));
+        want = mpt__q_params(P->min, P->max);
+        CHECK(ql.output.scale == want.scale && ql.output.zero_point == want.zero_point,
+              "'%s': scale %g, zero point %d; its learned range [%g, %g] gives %g, %d", ql.name,
+              (double)ql.output.scale, (int)ql.output.zero_point, (double)P->min,
+              (double)P->max, (double)want.scale, (int)want.zero_point);
+        partials++;
+    }
+    return partials;
+}
+
+/* The merges of merge_graph train quantization-aware: every partial has a
+   learned range, the conversion quantizes each partial ("<layer>/<k>")
+   with exactly its range, the int8 model's logits are within one output
+   step of the fake-quantized model's, the merges' passes follow the
+   straight-through rule, and a weights file carries the partials' ranges
+   to a new quantization-aware model, which converts to the same bits. */
+static void test_merges_of_more_inputs(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = merge_graph(ctx, MPT_POLICY_FLOAT32), *m2 = merge_graph(ctx, MPT_POLICY_FLOAT32);
+    mpt_model *q = NULL, *q2 = NULL;
+    int64_t sample[1] = {MV};
+    mpt_dataset *d;
+    mpt_tensor fq_out, int_out, int2_out;
+    mpt_quantized_info info;
+    char path[] = "/tmp/mpt_test_qat_merge_XXXXXX";
+    int i, partials, fd;
+    double apart;
+    make_merge_data();
+    d = dataset(ctx, MN, 1, sample, merge_x, merge_y);
+    CHECK(mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 8, .batch_size = 32}) == MPT_OK &&
+              mpt_model_quantize_aware(m, &(mpt_qat_desc){.ema_decay = 0.9f}) == MPT_OK &&
+              m->qat->n_partials == 4 &&
+              mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 2, .batch_size = 32}) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    if (!m->qat || m->qat->n_partials != 4) goto done;
+    for (i = 0; i < m->qat->n_partials; i++)
+        CHECK(m->qat->partial[i].seen, "partial %d has no learned range", i);
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
+              MPT_OK && mpt_model_quantized_info(q, &info) == MPT_OK,
+          "convert: %s", mpt_context_error(ctx));
+    partials = partial_scales(m, q);
+    CHECK(partials == 4, "%d partials in the int8 model, not 4", partials);
+    memset(&fq_out, 0, sizeof fq_out), memset(&int_out, 0, sizeof int_out);
+    memset(&int2_out, 0, sizeof int2_out);
+    CHECK(q && mpt_model_predict(m, d, 32, &fq_out) == MPT_OK &&
+              mpt_model_predict(q, d, 32, &int_out) == MPT_OK,
+          "predict: %s", mpt_context_error(ctx));
+    apart = q && fq_out.data && int_out.data
+                ? steps_apart((const float *)fq_out.data, (const float *)int_out.data,
+                              mpt_tensor_count(&fq_out), info.output.scale)
+                : 99;
+    CHECK(apart <= 1.0 + 1e-3, "logits: the int8 model is %.3f output steps from the "
+          "fake-quantized one (step %g)", apart, (double)info.output.scale);
+    if (getenv("MPT_TEST_VERBOSE")) printf("  merges: %.3f output steps apart\n", apart);
+    merge_gradients(m);
+    /* the weights file: the partials' ranges go with it */
+    fd = mkstemp(path);
+    CHECK(fd >= 0, "temporary file");
+    if (fd >= 0) close(fd);
+    CHECK(mpt_model_save_weights(m, path) == MPT_OK &&
+              mpt_model_quantize_aware(m2, NULL) == MPT_OK &&
+              mpt_model_load_weights(m2, path) == MPT_OK &&
+              mpt_model_quantize(m2, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER},
+                                 &q2) == MPT_OK &&
+              mpt_model_predict(q2, d, 32, &int2_out) == MPT_OK,
+          "round trip: %s", mpt_context_error(ctx));
+    for (i = 0; m2->qat && i < m2->qat->n_partials; i++)
+        CHECK(m2->qat->partial[i].seen && m2->qat->partial[i].min == m->qat->partial[i].min &&
+                  m2->qat->partial[i].max == m->qat->partial[i].max,
+              "partial %d: range not carried by the weights file", i);
+    CHECK(int2_out.data && int_out.data &&
+              !memcmp(int2_out.data, int_out.data, mpt_tensor_bytes(&int_out)),
+          "the int8 model from the weights file differs");
+    remove(path);
+    mpt_tensor_free(ctx, &fq_out);
+    mpt_tensor_free(ctx, &int_out);
+    mpt_tensor_free(ctx, &int2_out);
+done:
+    mpt_model_destroy(q);
+    mpt_model_destroy(q2);
+    mpt_model_destroy(m);
+    mpt_model_destroy(m2);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+}
+
+/* Mixed precision: the merges compute in float16, their partials
+   fake-quantized in float32 and stored in float16 (mpt__qat_apply);
+   training goes on, every partial learns a finite range, and the
+   conversion quantizes each with it. */
+static void test_merges_mixed_precision(void) {
+    mpt_context *ctx = quiet_ctx();
+    mpt_model *m = merge_graph(ctx, MPT_POLICY_MIXED_FLOAT16), *q = NULL;
+    int64_t sample[1] = {MV};
+    mpt_dataset *d;
+    mpt_logs logs;
+    int i;
+    make_merge_data();
+    d = dataset(ctx, MN, 1, sample, merge_x, merge_y);
+    CHECK(m->layers[layer_named(m, "avg3")].dtype == MPT_FLOAT16, "the Average computes in %s",
+          mpt_dtype_name(m->layers[layer_named(m, "avg3")].dtype));
+    CHECK(mpt_model_quantize_aware(m, NULL) == MPT_OK &&
+              mpt_model_fit(m, d, &(mpt_fit_desc){.epochs = 6, .batch_size = 32}) == MPT_OK &&
+              mpt_model_evaluate(m, d, NULL, &logs) == MPT_OK,
+          "fit: %s", mpt_context_error(ctx));
+    CHECK(mpt_logs_get(&logs, "accuracy") > 0.6, "accuracy %.3f",
+          mpt_logs_get(&logs, "accuracy"));
+    for (i = 0; m->qat && i < m->qat->n_partials; i++)
+        CHECK(m->qat->partial[i].seen && isfinite(m->qat->partial[i].min) &&
+                  isfinite(m->qat->partial[i].max) &&
+                  m->qat->partial[i].min < m->qat->partial[i].max,
+              "partial %d: range [%g, %g]", i, (double)m->qat->partial[i].min,
+              (double)m->qat->partial[i].max);
+    CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FULL_INTEGER}, &q) ==
+              MPT_OK && partial_scales(m, q) == 4,
+          "convert: %s", mpt_context_error(ctx));
+    mpt_model_destroy(q);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    mpt_context_destroy(ctx);
+}
+
 int main(void) {
     TEST_RUN(test_fake_quant_scalar_reference);
     TEST_RUN(test_forward_values);
@@ -993,5 +1277,7 @@ int main(void) {
     TEST_RUN(test_infinite_optimizer_state_stops_fit);
     TEST_RUN(test_overflowing_range_stops_fit);
     TEST_RUN(test_refused_off_the_cpu);
+    TEST_RUN(test_merges_of_more_inputs);
+    TEST_RUN(test_merges_mixed_precision);
     return test_summary("test_qat");
 }

@@ -96,6 +96,81 @@ static void test_max_pool_simd_matches_portable(void) {
     if (!ran) SKIP("this CPU has no AVX-512");
 }
 
+/* Inference's 2×2 stride-2 max pooling (mpt__max_pool2_avx512: a sample at
+   a time, no argmax) against the window-by-window forms, bit for bit: the
+   portable mpt__max_window on float32 and the AVX-512 window (the
+   training forward's, whose half dtypes test_max_pool_simd_matches_portable
+   holds to the portable loop) on every dtype; channel counts that fill no
+   vector, one, several and a partial one; odd sizes (a row and a column no
+   window reads); ties, ±0, NaNs (first in a window, later, two in one)
+   and −inf. */
+static void test_max_pool2_inference(void) {
+#if MPT__X86
+    static const int64_t channels[] = {1, 5, 16, 21, 40};
+    static const int64_t sizes[][2] = {{9, 7}, {8, 6}, {2, 2}};
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    mpt_context *c = NULL;
+    int k, t, z, checked = 0;
+    CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &c) == MPT_OK, "context");
+    if (!(mpt_context_cpu_features(c) & MPT_CPU_AVX512)) {
+        mpt_context_destroy(c);
+        SKIP("this CPU has no AVX-512");
+        return;
+    }
+    test_seed(43);
+    for (k = 0; k < (int)(sizeof channels / sizeof channels[0]); k++)
+        for (z = 0; z < (int)(sizeof sizes / sizeof sizes[0]); z++)
+            for (t = 0; t < 3; t++) {
+                mpt__win g;
+                const size_t es = mpt_dtype_size(dtypes[t]);
+                int64_t n_in, n_out, i, oy, ox, r0, r1, c0, c1;
+                float *xf, *ref;
+                unsigned char *x, *fast, *win;
+                memset(&g, 0, sizeof g);
+                g.h = sizes[z][0], g.w = sizes[z][1], g.c = channels[k];
+                g.kh = g.kw = g.sh = g.sw = 2;
+                g.oh = g.h / 2, g.ow = g.w / 2;
+                CHECK(mpt__max_pool2_fits(&g), "2x2/2 valid not taken");
+                n_in = g.h * g.w * g.c, n_out = g.oh * g.ow * g.c;
+                xf = (float *)malloc(sizeof(float) * (size_t)n_in);
+                ref = (float *)malloc(sizeof(float) * (size_t)n_out);
+                x = (unsigned char *)malloc(es * (size_t)n_in);
+                fast = (unsigned char *)malloc(es * (size_t)n_out);
+                win = (unsigned char *)malloc(es * (size_t)n_out);
+                for (i = 0; i < n_in; i++) {
+                    xf[i] = (float)test_randint(-3, 3) * 0.5f; /* many ties */
+                    if (xf[i] == 0 && (i & 1)) xf[i] = -0.0f;
+                    if (i % 13 == 4 || i % 29 == 0) xf[i] = NAN;
+                    if (i % 17 == 6) xf[i] = -INFINITY;
+                }
+                mpt_convert(c, dtypes[t], x, MPT_FLOAT32, xf, n_in);
+                mpt_convert(c, MPT_FLOAT32, xf, dtypes[t], x, n_in); /* as the dtype holds it */
+                mpt__max_pool2_avx512(dtypes[t], &g, x, fast);
+                for (oy = 0; oy < g.oh; oy++)
+                    for (ox = 0; ox < g.ow; ox++) {
+                        const int64_t at = (oy * g.ow + ox) * g.c;
+                        mpt__win_span(&g, oy, ox, &r0, &r1, &c0, &c1);
+                        mpt__max_window_avx512(dtypes[t], &g, x, r0, r1, c0, c1,
+                                               win + (size_t)at * es, NULL);
+                        mpt__max_window(&g, xf, r0, r1, c0, c1, ref + at, NULL);
+                    }
+                CHECK(memcmp(fast, win, es * (size_t)n_out) == 0,
+                      "C %lld %lldx%lld %s: not the AVX-512 window's maxima", (long long)g.c,
+                      (long long)g.h, (long long)g.w, mpt_dtype_name(dtypes[t]));
+                if (dtypes[t] == MPT_FLOAT32)
+                    CHECK(memcmp(fast, ref, 4 * (size_t)n_out) == 0,
+                          "C %lld %lldx%lld: not the portable window's maxima", (long long)g.c,
+                          (long long)g.h, (long long)g.w);
+                checked++;
+                free(xf), free(ref), free(x), free(fast), free(win);
+            }
+    CHECK(checked == 45, "%d cases", checked);
+    mpt_context_destroy(c);
+#else
+    SKIP("no AVX-512 path on this architecture");
+#endif
+}
+
 /* Max pooling's gradient in float16 and bfloat16 with windows that do not
    overlap (the CNN's 2×2 stride 2), which is copied, not summed in
    float32: each winner's dx has the bits of dy after 0 + dy in float32
@@ -415,6 +490,7 @@ static void test_conv_pool_pair(void) {
 int main(void) {
     TEST_RUN(test_max_pool_simd_matches_portable);
     TEST_RUN(test_max_pool_half_gradient_bits);
+    TEST_RUN(test_max_pool2_inference);
     test_max_pool_gradient_one_pass();
     test_conv_pool_pair();
     return test_summary("test_pool");

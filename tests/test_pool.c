@@ -171,6 +171,85 @@ static void test_max_pool2_inference(void) {
 #endif
 }
 
+/* A float16 model's Conv2D and the MaxPooling2D that alone reads it, run by
+   chunks (mpt__q_conv_pool_float16: MPT__CONV_POOL_ELEMS outputs, here 10
+   of 23 samples a chunk, the last chunk 3): the model's pass gives the
+   bytes of its operations run one by one over the whole batch (the
+   Conv2D's direct convolution, then the pooling), on 1 and 2 threads,
+   and of batches of one sample. */
+static void test_float16_conv_pool_chunks(void) {
+    enum { N = 23, SIDE = 30, FILTERS = 32 };
+    int threads;
+    for (threads = 1; threads <= 2; threads++) {
+        mpt_context *c = NULL;
+        mpt_model *m = NULL, *q = NULL;
+        mpt_conv2d_desc cd;
+        mpt_pool2d_desc pd;
+        mpt_dense_desc dd;
+        mpt__quantized *Q;
+        mpt__qwork *w = NULL;
+        float *x = (float *)malloc(sizeof(float) * N * SIDE * SIDE);
+        void *buf[8] = {NULL};
+        const void *out = NULL;
+        int64_t i, n;
+        int op, ran = 0;
+        CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c) == MPT_OK,
+              "context");
+        mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
+                                              .seed = 5}, &m);
+        memset(&cd, 0, sizeof cd);
+        cd.filters = FILTERS, cd.kernel_size[0] = cd.kernel_size[1] = 3;
+        cd.activation = MPT_ACT_RELU;
+        memset(&pd, 0, sizeof pd);
+        pd.pool_size[0] = pd.pool_size[1] = 2;
+        memset(&dd, 0, sizeof dd);
+        dd.units = 4;
+        CHECK(mpt_model_add_conv2d(m, &cd) == MPT_OK && mpt_model_add_max_pooling2d(m, &pd) == MPT_OK &&
+              mpt_model_add_flatten(m, NULL) == MPT_OK && mpt_model_add_dense(m, &dd) == MPT_OK &&
+              mpt_model_build(m, N) == MPT_OK, "model: %s", mpt_context_error(c));
+        test_seed(44 + (unsigned long long)threads);
+        for (op = 0; op < mpt_model_param_count(m); op++) { /* weights of its own, biases too */
+            mpt_param_info pi;
+            mpt_model_param(m, op, &pi);
+            for (i = 0; i < mpt_tensor_count(&pi.value); i++)
+                ((float *)pi.value.data)[i] = (float)test_uniform(-0.5, 0.5);
+        }
+        mpt_model_refresh_weights(m);
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FLOAT16}, &q) ==
+              MPT_OK, "quantize: %s", mpt_context_error(c));
+        Q = q->quantized;
+        CHECK(Q->n_ops == 4 && Q->ops[0].fuse_pool &&
+              MPT__CONV_POOL_ELEMS / Q->ops[0].out_count == 10, "the ops: %d", Q->n_ops);
+        for (i = 0; i < N * SIDE * SIDE; i++)
+            x[i] = i % 7 == 3 ? 0.0f : (float)test_uniform(-1, 1);
+        CHECK(mpt__qwork_reuse(c, Q, N, &w) == MPT_OK, "work");
+        for (n = N; w && n >= 1; n = n == 1 ? 0 : 1) {
+            for (op = 0; op < Q->n_ops; op++)
+                buf[op + 1] = malloc(sizeof(float) * (size_t)(n * Q->ops[op].out_count));
+            for (op = 0; op < Q->n_ops; op++)
+                CHECK(mpt__q_run_op(c, Q, op, MPT__QX_FLOAT16, op ? buf[op] : x, buf[op + 1], n,
+                                    w) == MPT_OK, "op %d", op);
+            buf[6] = malloc(sizeof(float) * (size_t)(n * Q->ops[0].out_count));
+            buf[7] = malloc(sizeof(float) * (size_t)(n * Q->ops[1].out_count));
+            CHECK(mpt__q_conv_pool_float16(c, Q, 0, x, (float *)buf[6], (float *)buf[7], n, w,
+                                           &ran) == MPT_OK && ran, "the chunks did not run");
+            CHECK(memcmp(buf[7], buf[2], sizeof(float) * (size_t)(n * Q->ops[1].out_count)) == 0,
+                  "%d threads, %lld samples: the chunks' pooling differs", threads, (long long)n);
+            free(buf[6]), free(buf[7]);
+            CHECK(mpt__q_forward(c, Q, MPT__QX_FLOAT16, x, n, w, NULL, &out) == MPT_OK && out,
+                  "forward: %s", mpt_context_error(c));
+            CHECK(out && memcmp(out, buf[Q->n_ops], sizeof(float) * (size_t)(n * 4)) == 0,
+                  "%d threads, %lld samples: not the operations' bytes one by one", threads,
+                  (long long)n);
+            for (op = 0; op < Q->n_ops; op++) free(buf[op + 1]);
+        }
+        free(x);
+        mpt_model_destroy(q);
+        mpt_model_destroy(m);
+        mpt_context_destroy(c);
+    }
+}
+
 /* Max pooling's gradient in float16 and bfloat16 with windows that do not
    overlap (the CNN's 2×2 stride 2), which is copied, not summed in
    float32: each winner's dx has the bits of dy after 0 + dy in float32
@@ -491,6 +570,7 @@ int main(void) {
     TEST_RUN(test_max_pool_simd_matches_portable);
     TEST_RUN(test_max_pool_half_gradient_bits);
     TEST_RUN(test_max_pool2_inference);
+    TEST_RUN(test_float16_conv_pool_chunks);
     test_max_pool_gradient_one_pass();
     test_conv_pool_pair();
     return test_summary("test_pool");

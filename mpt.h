@@ -193,7 +193,10 @@
                             neither takes the case (and on CUDA)
        Conv2D + pooling     a MaxPooling2D after a Conv2D runs inside it on
                             the CPU, chunk by chunk: mpt__conv_pool_plan,
-                            mpt__conv2d_pool_forward/_backward (@impl-pooling)
+                            mpt__conv2d_pool_forward/_backward (@impl-pooling;
+                            outside training no argmax, and 2×2 windows by
+                            mpt__max_pool2_avx512); a float16 model's pair
+                            mpt__q_conv_pool_float16 (@impl-quantized-direct)
        finiteness check     mpt__cpu_grad_stats (@impl-optimizers);
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update

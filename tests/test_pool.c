@@ -423,10 +423,12 @@ typedef struct pair_run {
     int fused;              /* it ran the pooling                            */
     int y_untouched;        /* its own y kept the poison put there           */
     float *out, *dx;        /* the model's output and input gradient         */
+    float *infer;           /* its output from an inference forward after    */
 } pair_run;
 
 /* One training forward and backward of [Conv2D] Conv2D MaxPooling2D
-   Flatten Dense, the pair fused or (unfuse) not, on `threads` threads. */
+   Flatten Dense, the pair fused or (unfuse) not, on `threads` threads;
+   then an inference forward (the pair's pooling without an argmax). */
 static void pair_pass(const pair_case *pc, int threads, int unfuse, const float *x,
                       const float *dy, pair_run *r) {
     int64_t xs[4] = {pc->batch, pc->h, pc->w, pc->c}, n_in = pc->batch * pc->h * pc->w * pc->c;
@@ -478,10 +480,14 @@ static void pair_pass(const pair_case *pc, int threads, int unfuse, const float 
           mpt_context_error(r->c));
     r->dx = (float *)malloc(sizeof(float) * (size_t)n_in);
     mpt_convert(r->c, MPT_FLOAT32, r->dx, tdx.dtype, tdx.data, n_in);
+    CHECK(mpt_model_forward(r->m, &tx, 0, &ty) == MPT_OK, "inference: %s",
+          mpt_context_error(r->c));
+    r->infer = (float *)malloc(sizeof(float) * (size_t)mpt_tensor_count(&ty));
+    mpt_convert(r->c, MPT_FLOAT32, r->infer, ty.dtype, ty.data, mpt_tensor_count(&ty));
 }
 
 static void pair_free(pair_run *r) {
-    free(r->out), free(r->dx);
+    free(r->out), free(r->dx), free(r->infer);
     mpt_model_destroy(r->m);
     mpt_context_destroy(r->c);
 }
@@ -507,8 +513,10 @@ static int pair_same_grad(pair_run *a, pair_run *b, int k, int exact, double tol
 
 /* The pair against the two layers one after the other: the same output
    and input gradient bits, the same gradients (the pair's Conv2D's up to
-   the association of its chunk sums), the same bits on 1 and 2 threads;
-   and its own y never written, so the pair did run. Shapes give several
+   the association of its chunk sums), the same bits on 1 and 2 threads,
+   the same output from an inference forward (its pooling without an
+   argmax, 2×2 windows a sample at a time); and its own y never written,
+   so the pair did run. Shapes give several
    chunks of the pair (MPT__CONV_POOL_ELEMS outputs), odd sizes leave
    pixels no window reads, overlapping 'same' windows share pixels. */
 static void test_conv_pool_pair(void) {
@@ -548,6 +556,9 @@ static void test_conv_pool_pair(void) {
             SKIP("this CPU lacks the direct path the pair needs");
         CHECK(!alone.fused && !alone.y_untouched, "the unfused model ran the pair");
         CHECK(memcmp(fused.out, alone.out, sizeof(float) * (size_t)n_out) == 0, "output");
+        CHECK(memcmp(fused.infer, alone.out, sizeof(float) * (size_t)n_out) == 0 &&
+                  memcmp(alone.infer, alone.out, sizeof(float) * (size_t)n_out) == 0,
+              "inference's output");
         CHECK(memcmp(fused.dx, alone.dx, sizeof(float) * (size_t)n_in) == 0, "input gradient");
         for (k = 0; k < mpt_model_param_count(fused.m); k++) {
             /* the pair's Conv2D holds parameters 2·pair and 2·pair + 1 */

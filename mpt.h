@@ -193,7 +193,10 @@
                             neither takes the case (and on CUDA)
        Conv2D + pooling     a MaxPooling2D after a Conv2D runs inside it on
                             the CPU, chunk by chunk: mpt__conv_pool_plan,
-                            mpt__conv2d_pool_forward/_backward (@impl-pooling)
+                            mpt__conv2d_pool_forward/_backward (@impl-pooling;
+                            outside training no argmax, and 2×2 windows by
+                            mpt__max_pool2_avx512); a float16 model's pair
+                            mpt__q_conv_pool_float16 (@impl-quantized-direct)
        finiteness check     mpt__cpu_grad_stats (@impl-optimizers);
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update
@@ -386,14 +389,16 @@
                           batch's work block
        @impl-quantize-transformer  Embedding, PositionEmbedding,
                           LayerNormalization, MultiHeadAttention as float32
-                          operations; the attention's int8 projections
+                          operations (mpt__q_float_layer, mpt__q_attention);
+                          the attention's int8 projections
        @impl-quantized-passes  a batch through them: float32, float16,
-                          dynamic-range, int8; a graph's merges and padding
+                          dynamic-range, int8; a graph's merges
        @impl-quantized-conv  the direct int8 Conv2D of several channels (its
                           windows read where they lie, no im2col)
        @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
                           and its MaxPooling2D from the image), int8 softmax,
-                          the batch's run
+                          the float16 Conv2D and its MaxPooling2D by chunks,
+                          ZeroPadding2D, the batch's run
        @impl-quantized-model  calibration, mpt_model_quantize
        @impl-quantized-use  the quantized model's predict, evaluate,
                           summary, info and invoke
@@ -3514,7 +3519,9 @@ typedef struct mpt_backend {
        shape); the layer then uses im2col, gemm and col2im. May be NULL. */
     int (*conv_direct)(void *impl, const mpt_conv_args *a);
     /* y (n, OH, OW, C) from x (n, H, W, C), in dtype; argmax (n, OH, OW, C)
-       int32 for max pooling; ws: pool_workspace bytes. */
+       int32 for max pooling (the CPU's may be NULL: not kept, as
+       inference's Conv2D and pooling pair passes it); ws: pool_workspace
+       bytes. */
     void (*pool_forward)(void *impl, mpt_pool_kind kind, const mpt_window *g, mpt_dtype dtype,
                          const void *x, void *y, int32_t *argmax, int64_t n, void *ws);
     void (*pool_backward)(void *impl, mpt_pool_kind kind, const mpt_window *g, mpt_dtype dtype,
@@ -6655,6 +6662,60 @@ MPT__TARGET_AVX512 static void mpt__max_window_avx512(mpt_dtype dtype, const mpt
     else
         mpt__max_window_lanes_avx512(MPT_FLOAT16, g, x, r0, r1, c0, c1, y, arg);
 }
+
+/* One step of mpt__max_takes' rule in lanes: v replaces best where it is
+   greater or a NaN (not less or equal, unordered), unless best is a NaN
+   already. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__max_step_avx512(__m512 best, __m512 v) {
+    const __mmask16 open = _mm512_cmp_ps_mask(best, best, _CMP_ORD_Q);
+    return _mm512_mask_mov_ps(best, _mm512_mask_cmp_ps_mask(open, v, best, _CMP_NLE_UQ), v);
+}
+
+/* A sample's 2×2 windows of stride 2 inside the image (mpt__max_pool2_fits)
+   without argmax, as inference pools (a CNN's usual pooling): the four
+   pixels read from two input rows, in the window's order, one call a
+   sample where the general path made one a window (measured: the
+   windows' loop control and argmax cost more than the loads, 10-16 % of
+   a cnn_small predict). The first pixel is the maximum so far as
+   mpt__max_takes makes it (it beats −inf, or is −inf), the next three
+   step by its rule: the same maxima, bit for bit. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_pool2_lanes_avx512(
+    mpt_dtype dtype, const mpt__win *g, const void *x, void *y) {
+    const size_t es = dtype == MPT_FLOAT32 ? 4 : 2;
+    const size_t right = (size_t)g->c * es, down = (size_t)(g->w * g->c) * es;
+    int64_t oy, ox, e;
+    for (oy = 0; oy < g->oh; oy++)
+        for (ox = 0; ox < g->ow; ox++) {
+            const char *p = (const char *)x + (size_t)((2 * oy * g->w + 2 * ox) * g->c) * es;
+            char *out = (char *)y + (size_t)((oy * g->ow + ox) * g->c) * es;
+            for (e = 0; e < g->c; e += 16, p += 16 * es, out += 16 * es) {
+                const __mmask16 m =
+                    (__mmask16)(g->c - e >= 16 ? 0xffff : (1u << (g->c - e)) - 1);
+                __m512 best = mpt__avx512_load(dtype, p, m);
+                best = mpt__max_step_avx512(best, mpt__avx512_load(dtype, p + right, m));
+                best = mpt__max_step_avx512(best, mpt__avx512_load(dtype, p + down, m));
+                best = mpt__max_step_avx512(best, mpt__avx512_load(dtype, p + down + right, m));
+                mpt__avx512_store(dtype, out, best, m);
+            }
+        }
+}
+
+MPT__TARGET_AVX512 static void mpt__max_pool2_avx512(mpt_dtype dtype, const mpt__win *g,
+                                                     const void *x, void *y) {
+    if (dtype == MPT_FLOAT32)
+        mpt__max_pool2_lanes_avx512(MPT_FLOAT32, g, x, y);
+    else if (dtype == MPT_BFLOAT16)
+        mpt__max_pool2_lanes_avx512(MPT_BFLOAT16, g, x, y);
+    else
+        mpt__max_pool2_lanes_avx512(MPT_FLOAT16, g, x, y);
+}
+
+/* Whether every window of g is 2×2 of stride 2 inside the image (the
+   padding adds none): mpt__max_pool2_avx512's case. */
+static int mpt__max_pool2_fits(const mpt__win *g) {
+    return g->kh == 2 && g->kw == 2 && g->sh == 2 && g->sw == 2 && g->top == 0 &&
+           g->left == 0 && 2 * g->oh <= g->h && 2 * g->ow <= g->w;
+}
 #endif
 
 /* y[c] = mean of the window's pixels inside the image. */
@@ -6677,12 +6738,16 @@ static void mpt__max_pool_forward_simd(const mpt__pool_job *j, int64_t b) {
     const unsigned char *x = (const unsigned char *)j->x + (size_t)(b * j->n_in) * j->es;
     unsigned char *y = (unsigned char *)j->y + (size_t)(b * j->n_out) * j->es;
     int64_t oy, ox, r0, r1, c0, c1;
+    if (!j->argmax && mpt__max_pool2_fits(g)) {
+        mpt__max_pool2_avx512(j->dtype, g, x, y);
+        return;
+    }
     for (oy = 0; oy < g->oh; oy++)
         for (ox = 0; ox < g->ow; ox++) {
             const int64_t at = (oy * g->ow + ox) * g->c;
             mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
             mpt__max_window_avx512(j->dtype, g, x, r0, r1, c0, c1, y + (size_t)at * j->es,
-                                   j->argmax + b * j->n_out + at);
+                                   j->argmax ? j->argmax + b * j->n_out + at : NULL);
         }
 #else
     (void)j, (void)b;
@@ -6708,7 +6773,8 @@ static void mpt__pool_forward_task(void *arg, int64_t b, int thread) {
             const int64_t at = (oy * g->ow + ox) * g->c;
             mpt__win_span(g, oy, ox, &r0, &r1, &c0, &c1);
             if (j->kind == MPT_POOL_MAX) {
-                mpt__max_window(g, x, r0, r1, c0, c1, y + at, j->argmax + b * j->n_out + at);
+                mpt__max_window(g, x, r0, r1, c0, c1, y + at,
+                                j->argmax ? j->argmax + b * j->n_out + at : NULL);
             } else
                 mpt__avg_window(g, x, r0, r1, c0, c1, y + at);
         }
@@ -7110,10 +7176,11 @@ static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p) {
         } else if (p->kept_ws) {
             *p->kept = 1;
         }
+        /* the argmax only for backward (the CPU's pooling takes NULL) */
         p->be->pool_forward(p->impl, MPT_POOL_MAX, &pg, P->dtype, q.y,
                             (unsigned char *)P->y + (size_t)(b0 * P->out_count) * c.es,
-                            (int32_t *)P->saved[0] + b0 * P->out_count, q.batch,
-                            scratch + off[MPT__CP_POOL]);
+                            p->training ? (int32_t *)P->saved[0] + b0 * P->out_count : NULL,
+                            q.batch, scratch + off[MPT__CP_POOL]);
     }
     return 1;
 }
@@ -34908,6 +34975,65 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
 }
 
 
+/* Embedding, PositionEmbedding and LayerNormalization on n samples, by
+   the CPU backend's functions their float layers' forward passes call
+   (the same float32 bits). An id outside the table is refused, as the
+   float model refuses it, rather than read as zeros. LayerNormalization's
+   row means and inverse deviations, which backward would read, go to the
+   dynamic products' scratch. */
+static mpt_status mpt__q_float_layer(mpt_context *ctx, const mpt__qop *op, const void *x,
+                                     void *y, int64_t n, mpt__qwork *w) {
+    const int64_t D = op->info.depth;
+    int64_t k;
+    if (op->info.op == MPT_QOP_GATHER) {
+        const int32_t *ids = (const int32_t *)x;
+        for (k = 0; k < n * op->in_count; k++)
+            if (ids[k] < 0 || ids[k] >= op->info.out_channels)
+                return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantized model: Embedding "
+                                 "'%s' got id %d (sample %lld, position %lld), outside its "
+                                 "table: ids are 0..%lld", op->name, (int)ids[k],
+                                 (long long)(k / op->in_count), (long long)(k % op->in_count),
+                                 (long long)op->info.out_channels - 1);
+        mpt__cpu_gather_rows(ctx, MPT_FLOAT32, y, op->table, op->info.out_channels, D, ids,
+                             n * op->in_count);
+    } else if (op->info.op == MPT_QOP_POSITION_EMBEDDING) {
+        for (k = 0; k < n; k++) /* as the float model's copy_rows, a sample a row */
+            memcpy((float *)y + k * op->out_count, op->table, sizeof(float) * (size_t)op->out_count);
+    } else {
+        mpt_layernorm_args a;
+        memset(&a, 0, sizeof a);
+        a.dtype = MPT_FLOAT32;
+        a.cols = D;
+        a.rows = n * (op->in_count / D);
+        a.epsilon = op->info.epsilon;
+        a.x = x, a.y = y;
+        a.gamma = op->table, a.beta = op->beta;
+        a.mean = w->row_scale;                /* (batch · max_count) floats each */
+        a.inv_std = (float *)(void *)w->acc;
+        mpt__cpu_layernorm_forward(ctx, &a);
+    }
+    return MPT_OK;
+}
+
+/* Defined below, in @impl-quantized-direct. */
+static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, const void *x, int t);
+
+/* MultiHeadAttention's scaled dot product on n samples: its three inputs
+   (the query, key and value projections), the CPU backend's attention,
+   its workspace the cols buffer (mpt__q_plan sized it). */
+static void mpt__q_attention(mpt_context *ctx, const mpt__quantized *Q, int i, const void *x,
+                             void *y, int64_t n, const mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    mpt_attention_args a = op->attention;
+    a.batch = n;
+    a.q = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
+    a.k = mpt__q_tensor_at(Q, w, x, op->in_t[1]);
+    a.v = mpt__q_tensor_at(Q, w, x, op->in_t[2]);
+    a.o = y;
+    a.workspace = w->cols;
+    mpt__cpu_attention_forward(ctx, &a);
+}
+
 /* =============================================================================
    @impl-quantized-passes  one batch through the operations, in each mode
    =============================================================================
@@ -34979,19 +35105,25 @@ static void mpt__q_im2col(const mpt__win *g, size_t es, const void *fill, const 
                 }
 }
 
-/* Max or average pooling of n samples in float32 (padding not counted).
-   Each window's pixels are read whole (C contiguous channels) into y,
-   row by row: per channel the same order as a loop over the window. */
-/* Float pooling of the float16 and dynamic-range models: max pooling is
-   the float model's (mpt__max_window: NaN wins; its AVX-512 form where
-   the CPU has it, as the float model's forward takes: the same maxima,
-   16 channels a vector where -O2 makes the portable loop 4), without the
-   argmax. */
+/* Max or average pooling of n samples in float32 (padding not counted),
+   of the float16 and dynamic-range models. Max is the float model's
+   without the argmax (mpt__max_window: NaN wins; in AVX-512 where the CPU
+   has it, 2×2 windows of stride 2 a sample at a time: the same maxima).
+   Average reads each window's pixels whole (C contiguous channels) into
+   y, row by row: per channel the same order as a loop over the window. */
 static void mpt__q_pool_float(const mpt__qop *op, int cpu, const float *x, float *y, int64_t n) {
     const mpt__win *g = &op->g;
     const int max = op->info.op == MPT_QOP_MAX_POOL_2D;
     int64_t b, oy, ox, c, r, q, r0, r1, c0, c1;
     (void)cpu; /* read only where the AVX-512 window is compiled */
+#if MPT__X86
+    if (max && (cpu & MPT_CPU_AVX512) && mpt__max_pool2_fits(g)) {
+        for (b = 0; b < n; b++)
+            mpt__max_pool2_avx512(MPT_FLOAT32, g, x + b * g->h * g->w * g->c,
+                                  y + b * g->oh * g->ow * g->c);
+        return;
+    }
+#endif
     for (b = 0; b < n; b++, x += g->h * g->w * g->c)
         for (oy = 0; oy < g->oh; oy++)
             for (ox = 0; ox < g->ow; ox++, y += g->c) {
@@ -35689,23 +35821,6 @@ static void mpt__q_concat(const mpt__qop *op, int integer, const void *const *xs
                         ((const int8_t *)src)[c] - op->in_zero[k],
                         op->in_mult[k], op->in_shift[k]) + op->info.output.zero_point);
         }
-}
-
-/* ZeroPadding2D: the padding holds 0.0f, or in int8 the zero point (real 0). */
-static void mpt__q_pad(const mpt__qop *op, int integer, const void *x, void *y, int64_t n) {
-    const size_t es = integer ? 1 : 4;
-    const int64_t h = op->info.in_shape[0], w = op->info.in_shape[1], c = op->info.in_shape[2];
-    const int64_t ow = op->info.out_shape[1];
-    const size_t row = (size_t)(w * c) * es;
-    int64_t b, r;
-    if (integer) memset(y, (int)(int8_t)op->info.output.zero_point, (size_t)(n * op->out_count));
-    else memset(y, 0, (size_t)(n * op->out_count) * 4); /* all-zero bytes: 0.0f */
-    for (b = 0; b < n; b++)
-        for (r = 0; r < h; r++)
-            memcpy((unsigned char *)y + (size_t)(b * op->out_count +
-                                                 ((op->info.pads[0][0] + r) * ow +
-                                                  op->info.pads[1][0]) * c) * es,
-                   (const unsigned char *)x + (size_t)(b * op->in_count + r * w * c) * es, row);
 }
 
 /* =============================================================================
@@ -36595,46 +36710,6 @@ static void mpt__q_softmax_int8(mpt_context *ctx, const mpt__qop *op, const int8
 static void mpt__cpu_activation(void *impl, mpt_activation act, float *x, int64_t rows,
                                 int64_t cols); /* @impl-cpu-backend */
 
-/* Embedding, PositionEmbedding and LayerNormalization on n samples, by
-   the CPU backend's functions their float layers' forward passes call
-   (the same float32 bits). An id outside the table is refused, as the
-   float model refuses it, rather than read as zeros. LayerNormalization's
-   row means and inverse deviations, which backward would read, go to the
-   dynamic products' scratch. */
-static mpt_status mpt__q_float_layer(mpt_context *ctx, const mpt__qop *op, const void *x,
-                                     void *y, int64_t n, mpt__qwork *w) {
-    const int64_t D = op->info.depth;
-    int64_t k;
-    if (op->info.op == MPT_QOP_GATHER) {
-        const int32_t *ids = (const int32_t *)x;
-        for (k = 0; k < n * op->in_count; k++)
-            if (ids[k] < 0 || ids[k] >= op->info.out_channels)
-                return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantized model: Embedding "
-                                 "'%s' got id %d (sample %lld, position %lld), outside its "
-                                 "table: ids are 0..%lld", op->name, (int)ids[k],
-                                 (long long)(k / op->in_count), (long long)(k % op->in_count),
-                                 (long long)op->info.out_channels - 1);
-        mpt__cpu_gather_rows(ctx, MPT_FLOAT32, y, op->table, op->info.out_channels, D, ids,
-                             n * op->in_count);
-    } else if (op->info.op == MPT_QOP_POSITION_EMBEDDING) {
-        for (k = 0; k < n; k++) /* as the float model's copy_rows, a sample a row */
-            memcpy((float *)y + k * op->out_count, op->table, sizeof(float) * (size_t)op->out_count);
-    } else {
-        mpt_layernorm_args a;
-        memset(&a, 0, sizeof a);
-        a.dtype = MPT_FLOAT32;
-        a.cols = D;
-        a.rows = n * (op->in_count / D);
-        a.epsilon = op->info.epsilon;
-        a.x = x, a.y = y;
-        a.gamma = op->table, a.beta = op->beta;
-        a.mean = w->row_scale;                /* (batch · max_count) floats each */
-        a.inv_std = (float *)(void *)w->acc;
-        mpt__cpu_layernorm_forward(ctx, &a);
-    }
-    return MPT_OK;
-}
-
 /* Operation i on n samples: x in, y out (float32, or int8 in integer). */
 static mpt_status mpt__q_run_op(mpt_context *ctx, const mpt__quantized *Q, int i, mpt__qexec ex,
                                 const void *x, void *y, int64_t n, mpt__qwork *w) {
@@ -36780,6 +36855,23 @@ static void mpt__q_binary_parallel(mpt_context *ctx, const mpt__qop *op, const i
     mpt__parallel_for(ctx, (count + j.run - 1) / j.run, mpt__q_binary_task, &j);
 }
 
+/* ZeroPadding2D: the padding holds 0.0f, or in int8 the zero point (real 0). */
+static void mpt__q_pad(const mpt__qop *op, int integer, const void *x, void *y, int64_t n) {
+    const size_t es = integer ? 1 : 4;
+    const int64_t h = op->info.in_shape[0], w = op->info.in_shape[1], c = op->info.in_shape[2];
+    const int64_t ow = op->info.out_shape[1];
+    const size_t row = (size_t)(w * c) * es;
+    int64_t b, r;
+    if (integer) memset(y, (int)(int8_t)op->info.output.zero_point, (size_t)(n * op->out_count));
+    else memset(y, 0, (size_t)(n * op->out_count) * 4); /* all-zero bytes: 0.0f */
+    for (b = 0; b < n; b++)
+        for (r = 0; r < h; r++)
+            memcpy((unsigned char *)y + (size_t)(b * op->out_count +
+                                                 ((op->info.pads[0][0] + r) * ow +
+                                                  op->info.pads[1][0]) * c) * es,
+                   (const unsigned char *)x + (size_t)(b * op->in_count + r * w * c) * es, row);
+}
+
 /* Operation i of a graph that reads several tensors, or pads; or a MUL or
    ADD by a constant per channel, with the ops chained to it (full
    integer: as one table; float16 and dynamic range: each element through
@@ -36801,20 +36893,38 @@ static void mpt__q_run_graph_op(mpt_context *ctx, const mpt__quantized *Q, int i
                                 n * op->out_count);
 }
 
-/* MultiHeadAttention's scaled dot product on n samples: its three inputs
-   (the query, key and value projections), the CPU backend's attention,
-   its workspace the cols buffer (mpt__q_plan sized it). */
-static void mpt__q_attention(mpt_context *ctx, const mpt__quantized *Q, int i, const void *x,
-                             void *y, int64_t n, const mpt__qwork *w) {
-    const mpt__qop *op = &Q->ops[i];
-    mpt_attention_args a = op->attention;
-    a.batch = n;
-    a.q = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
-    a.k = mpt__q_tensor_at(Q, w, x, op->in_t[1]);
-    a.v = mpt__q_tensor_at(Q, w, x, op->in_t[2]);
-    a.o = y;
-    a.workspace = w->cols;
-    mpt__cpu_attention_forward(ctx, &a);
+/* ---- the float16 Conv2D and the MaxPooling2D after it, by chunks ------------------------- */
+
+/* Float16's Conv2D op i by the direct convolution (mpt__q_conv_float16_direct)
+   and the MaxPooling2D that alone reads its output (fuse_pool), a chunk of
+   samples at a time, as the float model's pair runs them
+   (MPT__CONV_POOL_ELEMS outputs a chunk): each chunk's convolution lands
+   at the start of its tensor, still in the caches when the pooling reads
+   it, where the whole batch's (11 MB on cnn_small at batch 128) went to
+   memory and back. Each output pixel's sums and each window's maximum
+   are the same operations on the same values whatever the chunk, so the
+   same bits. *ran: 0 where the direct convolution declines (on the first
+   chunk: it declines by the layer's shape, not the sample count), and
+   nothing was done. */
+static mpt_status mpt__q_conv_pool_float16(mpt_context *ctx, const mpt__quantized *Q, int i,
+                                           const float *x, float *conv_y, float *pool_y,
+                                           int64_t n, mpt__qwork *w, int *ran) {
+    const mpt__qop *op = &Q->ops[i], *pool = &Q->ops[i + 1];
+    const int64_t chunk = MPT__MAX(1, MPT__CONV_POOL_ELEMS / MPT__MAX(1, op->out_count));
+    int64_t b0, cb;
+    *ran = 0;
+    for (b0 = 0; b0 < n; b0 += cb) {
+        const float *xc = x + b0 * op->in_count;
+        cb = MPT__MIN(chunk, n - b0);
+        if (!mpt__q_conv_float16_direct(ctx, Q, op, xc, conv_y, cb, w)) {
+            if (b0 == 0) return MPT_OK;
+            MPT__CHECK(mpt__q_conv(ctx, Q, i, MPT__QX_FLOAT16, xc, conv_y, cb, w));
+        }
+        mpt__q_each_sample(ctx, mpt__q_pool_task, pool, 4, NULL, conv_y,
+                           pool_y + b0 * pool->out_count, cb);
+    }
+    *ran = 1;
+    return MPT_OK;
 }
 
 /* n samples through every operation: outs[k] output k's bytes. Each operation reads its input tensors' bytes and writes its
@@ -36871,6 +36981,15 @@ static mpt_status mpt__q_forward(mpt_context *ctx, const mpt__quantized *Q, mpt_
                                &pooled)) {
             i += pooled;
             continue;
+        }
+        if (ex == MPT__QX_FLOAT16 && op->fuse_pool) {
+            MPT__CHECK(mpt__q_conv_pool_float16(ctx, Q, i, (const float *)in, (float *)y,
+                                                (float *)mpt__q_tensor_at(Q, w, x, i + 2), n, w,
+                                                &pooled));
+            if (pooled) {
+                i++; /* the MaxPooling2D ran with it */
+                continue;
+            }
         }
         if (op->info.op == MPT_QOP_RESHAPE) { /* the same bytes */
         } else if (mpt__qop_is_merge(op) || op->info.op == MPT_QOP_PAD) {

@@ -96,6 +96,160 @@ static void test_max_pool_simd_matches_portable(void) {
     if (!ran) SKIP("this CPU has no AVX-512");
 }
 
+/* Inference's 2×2 stride-2 max pooling (mpt__max_pool2_avx512: a sample at
+   a time, no argmax) against the window-by-window forms, bit for bit: the
+   portable mpt__max_window on float32 and the AVX-512 window (the
+   training forward's, whose half dtypes test_max_pool_simd_matches_portable
+   holds to the portable loop) on every dtype; channel counts that fill no
+   vector, one, several and a partial one; odd sizes (a row and a column no
+   window reads); ties, ±0, NaNs (first in a window, later, two in one)
+   and −inf. */
+static void test_max_pool2_inference(void) {
+#if MPT__X86
+    static const int64_t channels[] = {1, 5, 16, 21, 40};
+    static const int64_t sizes[][2] = {{9, 7}, {8, 6}, {2, 2}};
+    static const mpt_dtype dtypes[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    mpt_context *c = NULL;
+    int k, t, z, checked = 0;
+    CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &c) == MPT_OK, "context");
+    if (!(mpt_context_cpu_features(c) & MPT_CPU_AVX512)) {
+        mpt_context_destroy(c);
+        SKIP("this CPU has no AVX-512");
+        return;
+    }
+    test_seed(43);
+    for (k = 0; k < (int)(sizeof channels / sizeof channels[0]); k++)
+        for (z = 0; z < (int)(sizeof sizes / sizeof sizes[0]); z++)
+            for (t = 0; t < 3; t++) {
+                mpt__win g;
+                const size_t es = mpt_dtype_size(dtypes[t]);
+                int64_t n_in, n_out, i, oy, ox, r0, r1, c0, c1;
+                float *xf, *ref;
+                unsigned char *x, *fast, *win;
+                memset(&g, 0, sizeof g);
+                g.h = sizes[z][0], g.w = sizes[z][1], g.c = channels[k];
+                g.kh = g.kw = g.sh = g.sw = 2;
+                g.oh = g.h / 2, g.ow = g.w / 2;
+                CHECK(mpt__max_pool2_fits(&g), "2x2/2 valid not taken");
+                n_in = g.h * g.w * g.c, n_out = g.oh * g.ow * g.c;
+                xf = (float *)malloc(sizeof(float) * (size_t)n_in);
+                ref = (float *)malloc(sizeof(float) * (size_t)n_out);
+                x = (unsigned char *)malloc(es * (size_t)n_in);
+                fast = (unsigned char *)malloc(es * (size_t)n_out);
+                win = (unsigned char *)malloc(es * (size_t)n_out);
+                for (i = 0; i < n_in; i++) {
+                    xf[i] = (float)test_randint(-3, 3) * 0.5f; /* many ties */
+                    if (xf[i] == 0 && (i & 1)) xf[i] = -0.0f;
+                    if (i % 13 == 4 || i % 29 == 0) xf[i] = NAN;
+                    if (i % 17 == 6) xf[i] = -INFINITY;
+                }
+                mpt_convert(c, dtypes[t], x, MPT_FLOAT32, xf, n_in);
+                mpt_convert(c, MPT_FLOAT32, xf, dtypes[t], x, n_in); /* as the dtype holds it */
+                mpt__max_pool2_avx512(dtypes[t], &g, x, fast);
+                for (oy = 0; oy < g.oh; oy++)
+                    for (ox = 0; ox < g.ow; ox++) {
+                        const int64_t at = (oy * g.ow + ox) * g.c;
+                        mpt__win_span(&g, oy, ox, &r0, &r1, &c0, &c1);
+                        mpt__max_window_avx512(dtypes[t], &g, x, r0, r1, c0, c1,
+                                               win + (size_t)at * es, NULL);
+                        mpt__max_window(&g, xf, r0, r1, c0, c1, ref + at, NULL);
+                    }
+                CHECK(memcmp(fast, win, es * (size_t)n_out) == 0,
+                      "C %lld %lldx%lld %s: not the AVX-512 window's maxima", (long long)g.c,
+                      (long long)g.h, (long long)g.w, mpt_dtype_name(dtypes[t]));
+                if (dtypes[t] == MPT_FLOAT32)
+                    CHECK(memcmp(fast, ref, 4 * (size_t)n_out) == 0,
+                          "C %lld %lldx%lld: not the portable window's maxima", (long long)g.c,
+                          (long long)g.h, (long long)g.w);
+                checked++;
+                free(xf), free(ref), free(x), free(fast), free(win);
+            }
+    CHECK(checked == 45, "%d cases", checked);
+    mpt_context_destroy(c);
+#else
+    SKIP("no AVX-512 path on this architecture");
+#endif
+}
+
+/* A float16 model's Conv2D and the MaxPooling2D that alone reads it, run by
+   chunks (mpt__q_conv_pool_float16: MPT__CONV_POOL_ELEMS outputs, here 10
+   of 23 samples a chunk, the last chunk 3): the model's pass gives the
+   bytes of its operations run one by one over the whole batch (the
+   Conv2D's direct convolution, then the pooling), on 1 and 2 threads,
+   and of batches of one sample. */
+static void test_float16_conv_pool_chunks(void) {
+    enum { N = 23, SIDE = 30, FILTERS = 32 };
+    int threads;
+    for (threads = 1; threads <= 2; threads++) {
+        mpt_context *c = NULL;
+        mpt_model *m = NULL, *q = NULL;
+        mpt_conv2d_desc cd;
+        mpt_pool2d_desc pd;
+        mpt_dense_desc dd;
+        mpt__quantized *Q;
+        mpt__qwork *w = NULL;
+        float *x = (float *)malloc(sizeof(float) * N * SIDE * SIDE);
+        void *buf[8] = {NULL};
+        const void *out = NULL;
+        int64_t i, n;
+        int op, ran = 0;
+        CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c) == MPT_OK,
+              "context");
+        mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
+                                              .seed = 5}, &m);
+        memset(&cd, 0, sizeof cd);
+        cd.filters = FILTERS, cd.kernel_size[0] = cd.kernel_size[1] = 3;
+        cd.activation = MPT_ACT_RELU;
+        memset(&pd, 0, sizeof pd);
+        pd.pool_size[0] = pd.pool_size[1] = 2;
+        memset(&dd, 0, sizeof dd);
+        dd.units = 4;
+        CHECK(mpt_model_add_conv2d(m, &cd) == MPT_OK && mpt_model_add_max_pooling2d(m, &pd) == MPT_OK &&
+              mpt_model_add_flatten(m, NULL) == MPT_OK && mpt_model_add_dense(m, &dd) == MPT_OK &&
+              mpt_model_build(m, N) == MPT_OK, "model: %s", mpt_context_error(c));
+        test_seed(44 + (unsigned long long)threads);
+        for (op = 0; op < mpt_model_param_count(m); op++) { /* weights of its own, biases too */
+            mpt_param_info pi;
+            mpt_model_param(m, op, &pi);
+            for (i = 0; i < mpt_tensor_count(&pi.value); i++)
+                ((float *)pi.value.data)[i] = (float)test_uniform(-0.5, 0.5);
+        }
+        mpt_model_refresh_weights(m);
+        CHECK(mpt_model_quantize(m, &(mpt_quantize_desc){.mode = MPT_QUANTIZE_FLOAT16}, &q) ==
+              MPT_OK, "quantize: %s", mpt_context_error(c));
+        Q = q->quantized;
+        CHECK(Q->n_ops == 4 && Q->ops[0].fuse_pool &&
+              MPT__CONV_POOL_ELEMS / Q->ops[0].out_count == 10, "the ops: %d", Q->n_ops);
+        for (i = 0; i < N * SIDE * SIDE; i++)
+            x[i] = i % 7 == 3 ? 0.0f : (float)test_uniform(-1, 1);
+        CHECK(mpt__qwork_reuse(c, Q, N, &w) == MPT_OK, "work");
+        for (n = N; w && n >= 1; n = n == 1 ? 0 : 1) {
+            for (op = 0; op < Q->n_ops; op++)
+                buf[op + 1] = malloc(sizeof(float) * (size_t)(n * Q->ops[op].out_count));
+            for (op = 0; op < Q->n_ops; op++)
+                CHECK(mpt__q_run_op(c, Q, op, MPT__QX_FLOAT16, op ? buf[op] : x, buf[op + 1], n,
+                                    w) == MPT_OK, "op %d", op);
+            buf[6] = malloc(sizeof(float) * (size_t)(n * Q->ops[0].out_count));
+            buf[7] = malloc(sizeof(float) * (size_t)(n * Q->ops[1].out_count));
+            CHECK(mpt__q_conv_pool_float16(c, Q, 0, x, (float *)buf[6], (float *)buf[7], n, w,
+                                           &ran) == MPT_OK && ran, "the chunks did not run");
+            CHECK(memcmp(buf[7], buf[2], sizeof(float) * (size_t)(n * Q->ops[1].out_count)) == 0,
+                  "%d threads, %lld samples: the chunks' pooling differs", threads, (long long)n);
+            free(buf[6]), free(buf[7]);
+            CHECK(mpt__q_forward(c, Q, MPT__QX_FLOAT16, x, n, w, NULL, &out) == MPT_OK && out,
+                  "forward: %s", mpt_context_error(c));
+            CHECK(out && memcmp(out, buf[Q->n_ops], sizeof(float) * (size_t)(n * 4)) == 0,
+                  "%d threads, %lld samples: not the operations' bytes one by one", threads,
+                  (long long)n);
+            for (op = 0; op < Q->n_ops; op++) free(buf[op + 1]);
+        }
+        free(x);
+        mpt_model_destroy(q);
+        mpt_model_destroy(m);
+        mpt_context_destroy(c);
+    }
+}
+
 /* Max pooling's gradient in float16 and bfloat16 with windows that do not
    overlap (the CNN's 2×2 stride 2), which is copied, not summed in
    float32: each winner's dx has the bits of dy after 0 + dy in float32
@@ -269,10 +423,12 @@ typedef struct pair_run {
     int fused;              /* it ran the pooling                            */
     int y_untouched;        /* its own y kept the poison put there           */
     float *out, *dx;        /* the model's output and input gradient         */
+    float *infer;           /* its output from an inference forward after    */
 } pair_run;
 
 /* One training forward and backward of [Conv2D] Conv2D MaxPooling2D
-   Flatten Dense, the pair fused or (unfuse) not, on `threads` threads. */
+   Flatten Dense, the pair fused or (unfuse) not, on `threads` threads;
+   then an inference forward (the pair's pooling without an argmax). */
 static void pair_pass(const pair_case *pc, int threads, int unfuse, const float *x,
                       const float *dy, pair_run *r) {
     int64_t xs[4] = {pc->batch, pc->h, pc->w, pc->c}, n_in = pc->batch * pc->h * pc->w * pc->c;
@@ -324,10 +480,14 @@ static void pair_pass(const pair_case *pc, int threads, int unfuse, const float 
           mpt_context_error(r->c));
     r->dx = (float *)malloc(sizeof(float) * (size_t)n_in);
     mpt_convert(r->c, MPT_FLOAT32, r->dx, tdx.dtype, tdx.data, n_in);
+    CHECK(mpt_model_forward(r->m, &tx, 0, &ty) == MPT_OK, "inference: %s",
+          mpt_context_error(r->c));
+    r->infer = (float *)malloc(sizeof(float) * (size_t)mpt_tensor_count(&ty));
+    mpt_convert(r->c, MPT_FLOAT32, r->infer, ty.dtype, ty.data, mpt_tensor_count(&ty));
 }
 
 static void pair_free(pair_run *r) {
-    free(r->out), free(r->dx);
+    free(r->out), free(r->dx), free(r->infer);
     mpt_model_destroy(r->m);
     mpt_context_destroy(r->c);
 }
@@ -353,8 +513,10 @@ static int pair_same_grad(pair_run *a, pair_run *b, int k, int exact, double tol
 
 /* The pair against the two layers one after the other: the same output
    and input gradient bits, the same gradients (the pair's Conv2D's up to
-   the association of its chunk sums), the same bits on 1 and 2 threads;
-   and its own y never written, so the pair did run. Shapes give several
+   the association of its chunk sums), the same bits on 1 and 2 threads,
+   the same output from an inference forward (its pooling without an
+   argmax, 2×2 windows a sample at a time); and its own y never written,
+   so the pair did run. Shapes give several
    chunks of the pair (MPT__CONV_POOL_ELEMS outputs), odd sizes leave
    pixels no window reads, overlapping 'same' windows share pixels. */
 static void test_conv_pool_pair(void) {
@@ -394,6 +556,9 @@ static void test_conv_pool_pair(void) {
             SKIP("this CPU lacks the direct path the pair needs");
         CHECK(!alone.fused && !alone.y_untouched, "the unfused model ran the pair");
         CHECK(memcmp(fused.out, alone.out, sizeof(float) * (size_t)n_out) == 0, "output");
+        CHECK(memcmp(fused.infer, alone.out, sizeof(float) * (size_t)n_out) == 0 &&
+                  memcmp(alone.infer, alone.out, sizeof(float) * (size_t)n_out) == 0,
+              "inference's output");
         CHECK(memcmp(fused.dx, alone.dx, sizeof(float) * (size_t)n_in) == 0, "input gradient");
         for (k = 0; k < mpt_model_param_count(fused.m); k++) {
             /* the pair's Conv2D holds parameters 2·pair and 2·pair + 1 */
@@ -415,6 +580,8 @@ static void test_conv_pool_pair(void) {
 int main(void) {
     TEST_RUN(test_max_pool_simd_matches_portable);
     TEST_RUN(test_max_pool_half_gradient_bits);
+    TEST_RUN(test_max_pool2_inference);
+    TEST_RUN(test_float16_conv_pool_chunks);
     test_max_pool_gradient_one_pass();
     test_conv_pool_pair();
     return test_summary("test_pool");

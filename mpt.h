@@ -31646,23 +31646,30 @@ static MPT__ALWAYS_INLINE void mpt__wkg_pixels(const mpt__wkg_job *j, int64_t b,
                                                const unsigned char **at, const unsigned char **dy) {
     const mpt_window *g = j->g;
     const int64_t C = g->c, F = j->a->f, n = tile + 2;
+    const int64_t y0 = tile * ty - g->top, x0 = tile * tx - g->left;
     const unsigned char *x = (const unsigned char *)j->a->x;
     const unsigned char *dz = (const unsigned char *)j->a->dz;
+    unsigned cols = 0, dcols = 0; /* bit s: column s of the patch, of dY, inside */
     int64_t r, s;
-    for (r = 0; r < n; r++)
-        for (s = 0; s < n; s++) {
-            const int64_t y = tile * ty - g->top + r, xx = tile * tx - g->left + s;
-            at[n * r + s] = y >= 0 && y < g->h && xx >= 0 && xx < g->w
-                                ? x + (size_t)((b * g->h + y) * g->w + xx) * C * es
-                                : j->zero;
-        }
-    for (r = 0; r < tile; r++)
-        for (s = 0; s < tile; s++) {
-            const int64_t y = tile * ty + r, xx = tile * tx + s;
-            dy[tile * r + s] = y < g->oh && xx < g->ow
-                                   ? dz + (size_t)((b * g->oh + y) * g->ow + xx) * F * es
-                                   : NULL;
-        }
+    /* each row's test and first pixel once, each column's test once
+       (found per pixel, with 16 channels and filters, these pointers made
+       the transform about a tenth slower) */
+    for (s = 0; s < n; s++) {
+        if (x0 + s >= 0 && x0 + s < g->w) cols |= 1u << s;
+        if (s < tile && tile * tx + s < g->ow) dcols |= 1u << s;
+    }
+    for (r = 0; r < n; r++) {
+        const int64_t first = (b * g->h + y0 + r) * g->w + x0;
+        const unsigned in = y0 + r >= 0 && y0 + r < g->h ? cols : 0;
+        for (s = 0; s < n; s++)
+            at[n * r + s] = in >> s & 1 ? x + (size_t)(first + s) * C * es : j->zero;
+    }
+    for (r = 0; r < tile; r++) {
+        const int64_t first = (b * g->oh + tile * ty + r) * g->ow + tile * tx;
+        const unsigned in = tile * ty + r < g->oh ? dcols : 0;
+        for (s = 0; s < tile; s++)
+            dy[tile * r + s] = in >> s & 1 ? dz + (size_t)(first + s) * F * es : NULL;
+    }
 }
 
 /* dM = A dY Aᵀ of a 2×2 tile's dY (dy: its four pixels of dz, NULL past

@@ -3462,6 +3462,13 @@ typedef struct mpt_backend {
                       const uint8_t *src, int64_t n);
     /* x (rows, cols) float32, in place: act(x); softmax over each row. */
     void (*activation)(void *impl, mpt_activation act, float *x, int64_t rows, int64_t cols);
+    /* A GELU's training forward from the float32 product x (n elements):
+       z = x and y = act(x), both in dtype (z kept for backward; y may be x
+       itself when dtype is float32), the bits of convert, activation in
+       place and convert again, in one pass over x (may be NULL: those
+       three calls). */
+    void (*activation_keep_z)(void *impl, mpt_activation act, mpt_dtype dtype, float *x,
+                              void *z, void *y, int64_t n);
     /* dz = dy · act'(z) in float32 for n = rows·cols elements; dy, y and
        (GELU) z in dtype; tmp holds n floats. */
     void (*activation_grad)(void *impl, mpt_activation act, mpt_dtype dtype, const void *z,
@@ -5530,6 +5537,10 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
+    if (keeps_z && p->be->activation_keep_z) {
+        p->be->activation_keep_z(p->impl, act, L->dtype, acc, L->saved[0], p->y, n);
+        return;
+    }
     if (keeps_z) {
         p->be->convert(p->impl, L->dtype, L->saved[0], MPT_FLOAT32, acc, n);
         p->be->activation(p->impl, act, acc, B, units);
@@ -43683,6 +43694,54 @@ static void mpt__activation_chunk(void *arg, int64_t i, int64_t count) {
     mpt__activation_forward_cpu(j->cpu, j->act, j->x + i, count);
 }
 
+/* The CPU's activation_keep_z: blocks of x small enough to stay in L1,
+   each rounded into z, copied to a buffer on the stack, activated there
+   and rounded into y, so that x is read from memory once and never
+   written (the three passes read it three times and wrote it once). The
+   same functions on the same floats, each element on its own: the bits
+   of the three passes. */
+#define MPT__KEEP_Z_BLOCK 2048
+
+typedef struct mpt__keep_z_job {
+    int cpu;
+    mpt_activation act;
+    mpt_dtype dtype;
+    mpt__convert_fn round;
+    const float *x;
+    char *z, *y;
+} mpt__keep_z_job;
+
+static void mpt__keep_z_chunk(void *arg, int64_t begin, int64_t count) {
+    const mpt__keep_z_job *j = (const mpt__keep_z_job *)arg;
+    const size_t es = mpt_dtype_size(j->dtype);
+    float buf[MPT__KEEP_Z_BLOCK];
+    int64_t i, n;
+    for (i = begin; i < begin + count; i += n) {
+        n = MPT__MIN(MPT__KEEP_Z_BLOCK, begin + count - i);
+        j->round(j->dtype, j->z + (size_t)i * es, MPT_FLOAT32, j->x + i, n);
+        memcpy(buf, j->x + i, sizeof(float) * (size_t)n);
+        mpt__activation_forward_cpu(j->cpu, j->act, buf, n);
+        j->round(j->dtype, j->y + (size_t)i * es, MPT_FLOAT32, buf, n); /* y may be x */
+    }
+}
+
+static void mpt__cpu_activation_keep_z(void *impl, mpt_activation act, mpt_dtype dtype, float *x,
+                                       void *z, void *y, int64_t n) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__keep_z_job j;
+    j.cpu = ctx->cpu;
+    j.act = act;
+    j.dtype = dtype;
+    j.round = mpt__convert_kernel(ctx->cpu, dtype, MPT_FLOAT32);
+    j.x = x;
+    j.z = (char *)z;
+    j.y = (char *)y;
+    if (n < 2 * MPT__CONVERT_CHUNK)
+        mpt__keep_z_chunk(&j, 0, n);
+    else
+        mpt__parallel_chunks(ctx, n, mpt__keep_z_chunk, &j);
+}
+
 /* Elementwise activations over the pool in mpt__convert's chunks (each
    element on its own: any split gives the same bits); softmax by rows on
    the caller's thread. */
@@ -43916,6 +43975,7 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->convert = mpt__cpu_convert;
     t->lookup_u8 = mpt__cpu_lookup_u8;
     t->activation = mpt__cpu_activation;
+    t->activation_keep_z = mpt__cpu_activation_keep_z;
     t->activation_grad = mpt__cpu_activation_grad;
     t->column_sums = mpt__cpu_column_sums;
     t->dz_and_bias_grad = mpt__cpu_dz_and_bias_grad;

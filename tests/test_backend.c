@@ -794,6 +794,7 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.convert = emu_convert;
     emu_table.lookup_u8 = emu_lookup_u8;
     emu_table.activation = emu_activation;
+    emu_table.activation_keep_z = NULL; /* as the CUDA backend: convert, activation, convert */
     emu_table.activation_grad = emu_activation_grad;
     emu_table.column_sums = emu_column_sums;
     emu_table.dz_and_bias_grad = NULL; /* as the CUDA backend: the three calls above */

@@ -186,6 +186,13 @@
                             the GELUs and no activation one pass on the CPU
                             (mpt__cpu_dz_and_bias_grad); otherwise, and on
                             CUDA, activation_grad, column_sums and convert
+       a GELU's z and y     mpt__cpu_activation_keep_z (@impl-cpu-backend):
+                            one pass over the product; on CUDA convert,
+                            activation and convert
+       self-attention's     mpt__mha_project_inputs, mpt__mha_back_shared
+       q, k and v           (@impl-attention): on the CPU one product over
+                            the three (mpt__gemm_shared_a, @impl-gemm) packs
+                            x once for them, forward and kernel gradients
        Conv2D's products    mpt__cpu_conv_direct (@impl-conv-direct): 3×3 of
                             stride 1 by Winograd's 2×2 or 4×4 tiles
                             (mpt__wino_tile_for; mpt__wino, mpt__wkg),

@@ -186,6 +186,13 @@
                             the GELUs and no activation one pass on the CPU
                             (mpt__cpu_dz_and_bias_grad); otherwise, and on
                             CUDA, activation_grad, column_sums and convert
+       a GELU's z and y     mpt__cpu_activation_keep_z (@impl-cpu-backend):
+                            one pass over the product; on CUDA convert,
+                            activation and convert
+       self-attention's     mpt__mha_project_inputs, mpt__mha_back_shared
+       q, k and v           (@impl-attention): on the CPU one product over
+                            the three (mpt__gemm_shared_a, @impl-gemm) packs
+                            x once for them, forward and kernel gradients
        Conv2D's products    mpt__cpu_conv_direct (@impl-conv-direct): 3×3 of
                             stride 1 by Winograd's 2×2 or 4×4 tiles
                             (mpt__wino_tile_for; mpt__wino, mpt__wkg),
@@ -368,6 +375,8 @@
                           and exp in AVX-512
        @impl-gemm         the CPU GEMM: blocking, tasks, the driver (the
                           layers reach it through the backend's gemm)
+       @impl-gemm-packed  B packed once for many products: predict's kept
+                          weights (panels, strips, a float16 B kept)
        @impl-gemm-kernels the GEMM's packing and micro-kernels: portable,
                           AVX2, AVX-512, AVX-512 BF16
        @impl-layer-kernels  ReLU's gradient, sums, dz and the bias gradient
@@ -3479,6 +3488,11 @@ typedef struct mpt_backend {
     /* Before a model's first step: the GEMM shapes it will run, so a
        backend can choose and cache an algorithm per shape (may be NULL). */
     mpt_status (*gemm_plan)(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype);
+    /* d[0..count) as count calls of gemm would give them, bit for bit,
+       where they may share A (the same a, m and k: self-attention's
+       query, key and value projections of one x), so that the backend
+       reads it once (may be NULL: gemm is called for each). */
+    void (*gemm_shared_a)(void *impl, const mpt_gemm_desc *d, int count, mpt_dtype c_dtype);
     void (*convert)(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
                     const void *src, int64_t n);
     /* dst[i] = table[src[i]] for n bytes, table holding 256 values of
@@ -3489,6 +3503,13 @@ typedef struct mpt_backend {
                       const uint8_t *src, int64_t n);
     /* x (rows, cols) float32, in place: act(x); softmax over each row. */
     void (*activation)(void *impl, mpt_activation act, float *x, int64_t rows, int64_t cols);
+    /* A GELU's training forward from the float32 product x (n elements):
+       z = x and y = act(x), both in dtype (z kept for backward; y may be x
+       itself when dtype is float32), the bits of convert, activation in
+       place and convert again, in one pass over x (may be NULL: those
+       three calls). */
+    void (*activation_keep_z)(void *impl, mpt_activation act, mpt_dtype dtype, float *x,
+                              void *z, void *y, int64_t n);
     /* dz = dy · act'(z) in float32 for n = rows·cols elements; dy, y and
        (GELU) z in dtype; tmp holds n floats. */
     void (*activation_grad)(void *impl, mpt_activation act, mpt_dtype dtype, const void *z,
@@ -5257,6 +5278,18 @@ static void mpt__layer_gemm(const mpt__pass *p, const mpt_gemm_desc *g, mpt_dtyp
     p->be->gemm(p->impl, g, c_dtype);
 }
 
+/* g[0..count) through mpt__layer_gemm, or, in training where the backend
+   can, in one call that reads their shared A once (the same bits). */
+static void mpt__layer_gemm_shared_a(const mpt__pass *p, const mpt_gemm_desc *g, int count,
+                                     mpt_dtype c_dtype) {
+    int t;
+    if (p->model->predicting || p->model->planning || !p->be->gemm_shared_a) {
+        for (t = 0; t < count; t++) mpt__layer_gemm(p, &g[t], c_dtype);
+        return;
+    }
+    p->be->gemm_shared_a(p->impl, g, count, c_dtype);
+}
+
 /* The product c (m×n, float32) = op(a)·op(b) of row-major matrices in
    dtype, op(a) m×k and op(b) k×n, where a is stored k×m when trans_a and b
    n×k when trans_b, with lda, ldb, ldc elements between rows. The rest
@@ -5547,6 +5580,10 @@ static void mpt__dense_forward(mpt__layer *L, const mpt__pass *p) {
     g.bias = d->no_bias ? NULL : mpt__param_master(L, 1);
     g.activation = fused ? act : MPT_ACT_NONE;
     mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
+    if (keeps_z && p->be->activation_keep_z) {
+        p->be->activation_keep_z(p->impl, act, L->dtype, acc, L->saved[0], p->y, n);
+        return;
+    }
     if (keeps_z) {
         p->be->convert(p->impl, L->dtype, L->saved[0], MPT_FLOAT32, acc, n);
         p->be->activation(p->impl, act, acc, B, units);
@@ -9982,19 +10019,95 @@ static mpt__mha_sizes mpt__mha_sizes_of(const mpt_model *m, const mpt__layer *L)
     return z;
 }
 
-/* out (rows, cols) in dtype = x (rows, in) · kernel + bias; acc: float32
-   scratch (rows, cols) where the product cannot land in out directly. */
-static void mpt__mha_project(mpt__layer *L, const mpt__pass *p, int projection, const void *x,
-                             int64_t rows, int64_t in, int64_t cols, void *out, float *acc) {
+/* saved: Q, K, V and O in dtype, then dropout's step, then with
+   no_flash_attention the weights P (float32). */
+enum { MPT__MHA_SAVED_Q, MPT__MHA_SAVED_K, MPT__MHA_SAVED_V, MPT__MHA_SAVED_O,
+       MPT__MHA_SAVED_STEP, MPT__MHA_SAVED_PROBS };
+
+/* Whether the product lands in float32 scratch first (a half dtype on a
+   backend whose GEMM stores float32 only), to be rounded after. */
+static int mpt__mha_via_acc(const mpt__layer *L, const mpt__pass *p) {
+    return L->dtype != MPT_FLOAT32 && !p->be->gemm_rounds_c;
+}
+
+/* The product out (rows, cols) in dtype = x (rows, in) · kernel + bias,
+   into acc (float32 scratch of rows · cols) where mpt__mha_via_acc. */
+static mpt_gemm_desc mpt__mha_project_desc(mpt__layer *L, const mpt__pass *p, int projection,
+                                           const void *x, int64_t rows, int64_t in,
+                                           int64_t cols, void *out, float *acc) {
     int bias = mpt__mha_bias_slot(L, projection);
-    int rounds_c = L->dtype != MPT_FLOAT32 && p->be->gemm_rounds_c;
-    float *c = L->dtype == MPT_FLOAT32 || rounds_c ? (float *)out : acc;
     mpt_gemm_desc g = mpt__layer_gemm_desc(
         L, 0, 0, rows, cols, in, x, mpt__param_compute_copy(L, mpt__mha_kernel_slot(L, projection)),
-        c);
+        mpt__mha_via_acc(L, p) ? acc : (float *)out);
     g.bias = bias >= 0 ? mpt__param_master(L, bias) : NULL;
-    mpt__layer_gemm(p, &g, rounds_c ? L->dtype : MPT_FLOAT32);
-    if (c != (float *)out) p->be->convert(p->impl, L->dtype, out, MPT_FLOAT32, c, rows * cols);
+    return g;
+}
+
+/* The C dtype of the layer's products that land in their output. */
+static mpt_dtype mpt__mha_c_dtype(const mpt__layer *L, const mpt__pass *p) {
+    return L->dtype != MPT_FLOAT32 && p->be->gemm_rounds_c ? L->dtype : MPT_FLOAT32;
+}
+
+/* out (rows, cols) in dtype = x (rows, in) · kernel + bias; acc as above. */
+static void mpt__mha_project(mpt__layer *L, const mpt__pass *p, int projection, const void *x,
+                             int64_t rows, int64_t in, int64_t cols, void *out, float *acc) {
+    mpt_gemm_desc g = mpt__mha_project_desc(L, p, projection, x, rows, in, cols, out, acc);
+    mpt__layer_gemm(p, &g, mpt__mha_c_dtype(L, p));
+    if (mpt__mha_via_acc(L, p))
+        p->be->convert(p->impl, L->dtype, out, MPT_FLOAT32, acc, rows * cols);
+}
+
+/* The query, key and value projections. Of one input (self-attention)
+   they share their A: one call packs x once for the three (each
+   product's bits as alone), their float32 results side by side in acc
+   where they are rounded after. */
+static void mpt__mha_project_inputs(mpt__layer *L, const mpt__pass *p, const mpt__mha_sizes *z,
+                                    float *acc) {
+    static const int saved[] = {MPT__MHA_SAVED_Q, MPT__MHA_SAVED_K, MPT__MHA_SAVED_V};
+    const int64_t width[] = {z->qk, z->qk, z->v};
+    mpt_gemm_desc g[MPT__MHA_OUTPUT];
+    float *at = acc;
+    int pr;
+    if (L->n_in != 1) {
+        for (pr = 0; pr < MPT__MHA_OUTPUT; pr++)
+            mpt__mha_project(L, p, pr, p->xs[mpt__mha_input(L, pr)], p->batch * z->T[pr],
+                             z->D[pr], width[pr], L->saved[saved[pr]], acc);
+        return;
+    }
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++) {
+        g[pr] = mpt__mha_project_desc(L, p, pr, p->xs[0], p->batch * z->T[pr], z->D[pr],
+                                      width[pr], L->saved[saved[pr]], at);
+        at += p->batch * z->T[pr] * width[pr];
+    }
+    mpt__layer_gemm_shared_a(p, g, MPT__MHA_OUTPUT, mpt__mha_c_dtype(L, p));
+    for (pr = 0; pr < MPT__MHA_OUTPUT && mpt__mha_via_acc(L, p); pr++)
+        p->be->convert(p->impl, L->dtype, L->saved[saved[pr]], MPT_FLOAT32, g[pr].c,
+                       p->batch * z->T[pr] * width[pr]);
+}
+
+/* A projection's bias gradient (g's column sums, done here) and the
+   product that gives its kernel's, xᵀ · g_op (returned, for the caller to
+   run). */
+static mpt_gemm_desc mpt__mha_kernel_grad_desc(mpt__layer *L, const mpt__pass *p,
+                                               int projection, const void *x, int64_t rows,
+                                               int64_t in, int64_t cols, const float *g,
+                                               const void *g_op) {
+    int kernel = mpt__mha_kernel_slot(L, projection), bias = mpt__mha_bias_slot(L, projection);
+    if (bias >= 0) p->be->column_sums(p->impl, g, rows, cols, mpt__param_grad(L, bias), 0);
+    return mpt__layer_gemm_desc(L, 1, 0, in, cols, rows, x, g_op, mpt__param_grad(L, kernel));
+}
+
+/* Unless dx is NULL, dx (rows, in, float32) = beta · dx + g_op · kernelᵀ. */
+static void mpt__mha_project_dx(mpt__layer *L, const mpt__pass *p, int projection, int64_t rows,
+                                int64_t in, int64_t cols, const void *g_op, float *dx,
+                                float beta) {
+    mpt_gemm_desc gd;
+    if (!dx) return;
+    gd = mpt__layer_gemm_desc(L, 0, 1, rows, in, cols, g_op,
+                              mpt__param_compute_copy(L, mpt__mha_kernel_slot(L, projection)),
+                              dx);
+    gd.beta = beta;
+    mpt__layer_gemm(p, &gd, MPT_FLOAT32);
 }
 
 /* A projection's backward from the gradient at its output, g (rows, cols)
@@ -10004,22 +10117,10 @@ static void mpt__mha_project(mpt__layer *L, const mpt__pass *p, int projection, 
 static void mpt__mha_project_back(mpt__layer *L, const mpt__pass *p, int projection,
                                   const void *x, int64_t rows, int64_t in, int64_t cols,
                                   const float *g, const void *g_op, float *dx, float beta) {
-    int kernel = mpt__mha_kernel_slot(L, projection), bias = mpt__mha_bias_slot(L, projection);
-    mpt_gemm_desc gd;
-    if (bias >= 0) p->be->column_sums(p->impl, g, rows, cols, mpt__param_grad(L, bias), 0);
-    gd = mpt__layer_gemm_desc(L, 1, 0, in, cols, rows, x, g_op, mpt__param_grad(L, kernel));
+    mpt_gemm_desc gd = mpt__mha_kernel_grad_desc(L, p, projection, x, rows, in, cols, g, g_op);
     mpt__layer_gemm(p, &gd, MPT_FLOAT32);
-    if (!dx) return;
-    gd = mpt__layer_gemm_desc(L, 0, 1, rows, in, cols, g_op, mpt__param_compute_copy(L, kernel),
-                              dx);
-    gd.beta = beta;
-    mpt__layer_gemm(p, &gd, MPT_FLOAT32);
+    mpt__mha_project_dx(L, p, projection, rows, in, cols, g_op, dx, beta);
 }
-
-/* saved: Q, K, V and O in dtype, then dropout's step, then with
-   no_flash_attention the weights P (float32). */
-enum { MPT__MHA_SAVED_Q, MPT__MHA_SAVED_K, MPT__MHA_SAVED_V, MPT__MHA_SAVED_O,
-       MPT__MHA_SAVED_STEP, MPT__MHA_SAVED_PROBS };
 
 /* Where the attention keeps P for backward: NULL (computed again) unless
    no_flash_attention. */
@@ -10035,12 +10136,7 @@ static void mpt__mha_forward(mpt__layer *L, const mpt__pass *p) {
     mpt_attention_args a = mpt__mha_attention_args(L, B, z.T[MPT__MHA_KEY]);
     unsigned char *ws = (unsigned char *)p->workspace;
     float *acc = (float *)(ws + mpt__align_up(p->be->attention_workspace(p->impl, &a)));
-    static const int saved[] = {MPT__MHA_SAVED_Q, MPT__MHA_SAVED_K, MPT__MHA_SAVED_V};
-    const int64_t width[] = {z.qk, z.qk, z.v};
-    int pr;
-    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++)
-        mpt__mha_project(L, p, pr, p->xs[mpt__mha_input(L, pr)], B * z.T[pr], z.D[pr], width[pr],
-                         L->saved[saved[pr]], acc);
+    mpt__mha_project_inputs(L, p, &z, acc);
     a.q = L->saved[MPT__MHA_SAVED_Q];
     a.k = L->saved[MPT__MHA_SAVED_K];
     a.v = L->saved[MPT__MHA_SAVED_V];
@@ -10065,13 +10161,21 @@ typedef struct mpt__mha_grads {
     void *d_o_op, *g_op;
 } mpt__mha_grads;
 
+/* g_op's elements a sample: the widest of dQ, dK and dV in dtype, one
+   at a time, or all three side by side where they share an input
+   (mpt__mha_back_shared). */
+static int64_t mpt__mha_g_op_elements(const mpt__layer *L, const mpt__mha_sizes *z) {
+    return L->n_in == 1 ? z->q_rows + z->k_rows + z->v_rows
+                        : MPT__MAX(z->q_rows, MPT__MAX(z->k_rows, z->v_rows));
+}
+
 static mpt__mha_grads mpt__mha_grads_in(const mpt__layer *L, const mpt__pass *p,
                                         const mpt__mha_sizes *z, void *base) {
     const int64_t B = p->batch;
     mpt__ws w;
     mpt__mha_grads g;
     int half = L->dtype != MPT_FLOAT32, s;
-    int64_t widest = MPT__MAX(z->q_rows, MPT__MAX(z->k_rows, z->v_rows));
+    int64_t widest = mpt__mha_g_op_elements(L, z);
     w.next = (unsigned char *)base;
     g.gy = half ? (float *)mpt__ws_take(&w, 4 * B * z->T[MPT__MHA_QUERY] * z->D[MPT__MHA_OUTPUT])
                 : (float *)p->dy;
@@ -10093,7 +10197,7 @@ static mpt__mha_grads mpt__mha_grads_in(const mpt__layer *L, const mpt__pass *p,
    takes them; 10 pieces' alignment is the fixed part). */
 static int64_t mpt__mha_grads_bytes(const mpt__layer *L, const mpt__mha_sizes *z) {
     int64_t half = L->dtype != MPT_FLOAT32 ? (int64_t)mpt_dtype_size(L->dtype) : 0, s, bytes;
-    int64_t widest = MPT__MAX(z->q_rows, MPT__MAX(z->k_rows, z->v_rows));
+    int64_t widest = mpt__mha_g_op_elements(L, z);
     bytes = 4 * (z->T[MPT__MHA_QUERY] * z->D[MPT__MHA_OUTPUT] + z->o_rows + z->q_rows +
                  z->k_rows + z->v_rows) +
             half * (z->o_rows + widest);
@@ -10119,6 +10223,35 @@ static void mpt__mha_back_one(mpt__layer *L, const mpt__pass *p, const mpt__mha_
     mpt__mha_project_back(L, p, projection, p->xs[s], rows, z->D[projection], width, gp, op,
                           p->dxs[s] ? g->dx[s] : NULL, written[s] ? 1.0f : 0.0f);
     written[s] = 1;
+}
+
+/* The three input projections' backward where they read one x
+   (self-attention): their kernel gradients xᵀ · dQ, xᵀ · dK, xᵀ · dV in
+   one call that packs xᵀ once (each product's bits as alone), then dx as
+   mpt__mha_back_one sums it, query, key, value. */
+static void mpt__mha_back_shared(mpt__layer *L, const mpt__pass *p, const mpt__mha_sizes *z,
+                                 const mpt__mha_grads *g) {
+    const float *gp[] = {g->dq, g->dk, g->dv};
+    const int64_t width[] = {z->qk, z->qk, z->v}, rows = p->batch * z->T[MPT__MHA_QUERY];
+    const int64_t in = z->D[MPT__MHA_QUERY];
+    unsigned char *next = (unsigned char *)g->g_op;
+    const void *op[MPT__MHA_OUTPUT];
+    mpt_gemm_desc d[MPT__MHA_OUTPUT];
+    int pr;
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++) {
+        op[pr] = gp[pr];
+        if (L->dtype != MPT_FLOAT32) {
+            p->be->convert(p->impl, L->dtype, next, MPT_FLOAT32, gp[pr], rows * width[pr]);
+            op[pr] = next;
+            next += mpt__dbytes(L->dtype, rows * width[pr]);
+        }
+        d[pr] = mpt__mha_kernel_grad_desc(L, p, pr, p->xs[0], rows, in, width[pr], gp[pr],
+                                          op[pr]);
+    }
+    mpt__layer_gemm_shared_a(p, d, MPT__MHA_OUTPUT, MPT_FLOAT32);
+    for (pr = 0; pr < MPT__MHA_OUTPUT; pr++)
+        mpt__mha_project_dx(L, p, pr, rows, in, width[pr], op[pr], p->dxs[0] ? g->dx[0] : NULL,
+                            pr ? 1.0f : 0.0f);
 }
 
 static void mpt__mha_backward(mpt__layer *L, const mpt__pass *p) {
@@ -10152,9 +10285,13 @@ static void mpt__mha_backward(mpt__layer *L, const mpt__pass *p) {
     a.workspace = ws;
     p->be->attention_backward(p->impl, &a);
     /* the three input projections, each input's dx summed in float32 */
-    mpt__mha_back_one(L, p, &z, &g, MPT__MHA_QUERY, g.dq, z.qk, written);
-    mpt__mha_back_one(L, p, &z, &g, MPT__MHA_KEY, g.dk, z.qk, written);
-    mpt__mha_back_one(L, p, &z, &g, MPT__MHA_VALUE, g.dv, z.v, written);
+    if (L->n_in == 1) {
+        mpt__mha_back_shared(L, p, &z, &g);
+    } else {
+        mpt__mha_back_one(L, p, &z, &g, MPT__MHA_QUERY, g.dq, z.qk, written);
+        mpt__mha_back_one(L, p, &z, &g, MPT__MHA_KEY, g.dk, z.qk, written);
+        mpt__mha_back_one(L, p, &z, &g, MPT__MHA_VALUE, g.dv, z.v, written);
+    }
     for (s = 0; s < L->n_in && L->dtype != MPT_FLOAT32; s++) {
         int pr = s == 0 ? MPT__MHA_QUERY : s == 1 ? MPT__MHA_VALUE : MPT__MHA_KEY;
         if (p->dxs[s])
@@ -10270,8 +10407,9 @@ static mpt_status mpt__mha_build(mpt_model *m, mpt__layer *L) {
     if (attention < 0)
         return mpt__fail(m->ctx, MPT_ERR_OVERFLOW,
                          "MultiHeadAttention '%s': the attention's workspace overflows", L->name);
-    forward = 4 * MPT__MAX(MPT__MAX(z.q_rows, z.k_rows),
-                           MPT__MAX(z.v_rows, z.T[MPT__MHA_QUERY] * z.D[MPT__MHA_OUTPUT]));
+    forward = 4 * MPT__MAX(L->n_in == 1 ? z.q_rows + z.k_rows + z.v_rows
+                                        : MPT__MAX(z.q_rows, MPT__MAX(z.k_rows, z.v_rows)),
+                           z.T[MPT__MHA_QUERY] * z.D[MPT__MHA_OUTPUT]);
     per_sample = MPT__MAX(forward, mpt__mha_grads_bytes(L, &z));
     return mpt__layer_set_workspace(m, L, per_sample, mpt__align_up(attention) + 11 * MPT__ALIGN);
 }
@@ -18626,7 +18764,7 @@ MPTDEF mpt_status mpt_model_fit(mpt_model *m, const mpt_dataset *train, const mp
    allocated per call but the plan's first making and what predict
    returns. */
 
-/* Defined below, in @impl-gemm. */
+/* Defined below, in @impl-gemm-packed. */
 typedef struct mpt__gemm_packed mpt__gemm_packed;
 static int mpt__gemm_packs_b(mpt_context *ctx, const mpt_gemm_desc *d);
 static mpt__gemm_packed *mpt__gemm_pack_b_whole(mpt_context *ctx, const mpt_gemm_desc *d);
@@ -28553,6 +28691,17 @@ typedef struct mpt__gemm_epi {
 typedef void (*mpt__gemm_kernel_fn)(int64_t kc, const void *a, const void *b, int bw, float *c,
                                     int64_t ldc, int m, int n, const mpt__gemm_epi *e);
 
+/* One of several products that share A (mpt__gemm_shared_a): its B, C
+   and bias, and where its columns start among all of theirs. */
+typedef struct mpt__gemm_part {
+    const void *b;
+    int64_t ldb;
+    float *c;
+    int64_t ldc;
+    const float *bias;
+    int64_t col0;
+} mpt__gemm_part;
+
 typedef struct mpt__gemm_job {
     const mpt_gemm_desc *d;
     mpt_context *ctx;
@@ -28571,6 +28720,10 @@ typedef struct mpt__gemm_job {
        its panel of columns j at + j·kb, as the task would pack it. */
     const float *bpre;
     int64_t bpre_cols;
+    /* Products sharing A side by side, d's n their columns together, or
+       NULL: d's own B, C and bias. */
+    const mpt__gemm_part *parts;
+    int n_parts;
 } mpt__gemm_job;
 
 /* -----------------------------------------------------------------------------
@@ -28630,6 +28783,16 @@ static int64_t mpt__gemm_packed_depth(const mpt__gemm_job *job, int64_t kb) {
     return job->pairs ? (kb + 1) / 2 : kb;
 }
 
+/* The part whose columns hold column j of the products side by side
+   (own: the single product's). */
+static const mpt__gemm_part *mpt__gemm_part_at(const mpt__gemm_job *job,
+                                               const mpt__gemm_part *own, int64_t j) {
+    int t = job->n_parts - 1;
+    if (!job->parts) return own;
+    while (t > 0 && job->parts[t].col0 > j) t--;
+    return &job->parts[t];
+}
+
 static void mpt__gemm_task(void *arg, int64_t task, int thread) {
     const mpt__gemm_job *job = (const mpt__gemm_job *)arg;
     const mpt_gemm_desc *d = job->d;
@@ -28641,15 +28804,21 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
        panel (kc × mr). */
     float *bpack = (float *)mpt__thread_scratch(job->ctx, thread);
     float *apack = bpack + mpt__gemm_packed_depth(job, job->kc) * job->nc;
-    /* Element (i, k) of op(A) is at i·a_ls + k·a_ks; (k, j) of op(B) at
-       j·b_ls + k·b_ks. */
+    /* Element (i, k) of op(A) is at i·a_ls + k·a_ks; (k, j) of a part's
+       op(B) at j·ls + k·ks, from its ldb (below). */
     const int64_t a_ls = d->trans_a ? 1 : d->lda, a_ks = d->trans_a ? d->lda : 1;
-    const int64_t b_ls = d->trans_b ? d->ldb : 1, b_ks = d->trans_b ? 1 : d->ldb;
     /* In pair mode a packed depth is a pair of halves, two per uint32. */
     int64_t jc, pc, ir, jr;
     mpt__gemm_job bjob = *job; /* B packed from its own dtype */
+    mpt__gemm_part own;
     bjob.dtype = job->b_dtype;
     if (i0 >= i1 || j0 >= j1) return;
+    own.b = d->b;
+    own.ldb = d->ldb;
+    own.c = d->c;
+    own.ldc = d->ldc;
+    own.bias = d->bias;
+    own.col0 = 0;
     if (job->bpre) bpack = NULL; /* read where it was packed ahead */
     for (jc = j0; jc < j1; jc += job->nc) {
         const int64_t nb = MPT__MIN(job->nc, j1 - jc);
@@ -28666,25 +28835,29 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
                wide when that is enough (or find it packed ahead). */
             const float *bblock = job->bpre ? job->bpre + pc * job->bpre_cols + jc * kb : bpack;
             for (jr = 0; !job->bpre && jr < nb; jr += nr) {
+                const mpt__gemm_part *q = mpt__gemm_part_at(job, &own, jc + jr);
+                const int64_t ls = d->trans_b ? q->ldb : 1, ks = d->trans_b ? 1 : q->ldb;
                 int w = nb - jr <= nr / 2 ? nr / 2 : nr;
                 int lanes = (int)MPT__MIN(nr, nb - jr);
-                mpt__gemm_pack(&bjob, bpack + jr * kstore, w, d->b, (jc + jr) * b_ls + pc * b_ks,
-                               b_ls, b_ks, lanes, kb);
+                mpt__gemm_pack(&bjob, bpack + jr * kstore, w, q->b,
+                               (jc + jr - q->col0) * ls + pc * ks, ls, ks, lanes, kb);
             }
             for (ir = i0; ir < i1; ir += mr) {
                 const int mb = (int)MPT__MIN(mr, i1 - ir);
                 mpt__gemm_pack(job, apack, mr, d->a, ir * a_ls + pc * a_ks, a_ls, a_ks, mb, kb);
                 for (jr = 0; jr < nb; jr += nr) {
+                    const mpt__gemm_part *q = mpt__gemm_part_at(job, &own, jc + jr);
+                    const int64_t j = jc + jr - q->col0;
                     int w = nb - jr <= nr / 2 ? nr / 2 : nr;
                     int n = (int)MPT__MIN(nr, nb - jr);
-                    float *c = d->c + ir * d->ldc + jc + jr;
-                    e.bias = last && d->bias ? d->bias + jc + jr : NULL;
-                    job->kernel(kb, apack, bblock + jr * kstore, w, c, d->ldc, mb, n, &e);
+                    float *c = q->c + ir * q->ldc + j;
+                    e.bias = last && q->bias ? q->bias + j : NULL;
+                    job->kernel(kb, apack, bblock + jr * kstore, w, c, q->ldc, mb, n, &e);
                     if (last && d->activation != MPT_ACT_NONE && d->activation != MPT_ACT_RELU) {
                         int i;
                         for (i = 0; i < mb; i++)
                             mpt__activation_forward_cpu(job->ctx->cpu, d->activation,
-                                                        c + i * d->ldc, n);
+                                                        c + i * q->ldc, n);
                     }
                 }
             }
@@ -28850,12 +29023,146 @@ static void mpt__gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt__gemm_typed(ctx, d, MPT_DTYPE_DEFAULT);
 }
 
+#define MPT__GEMM_MAX_PARTS 4
+
+/* Whether d[0..count) can run as one product over their columns side by
+   side: one A (the same a, lda, trans_a, m, k, dtype) and the same
+   alpha, beta, trans_b and activation, each panel of columns within one
+   part (every part but the last a whole number of panels), so that each
+   element of each C sees the depth blocks, kernel and epilogue that its
+   own product gives it; and a product that packs (not few-rows). */
+static int mpt__gemm_shares_a(const mpt__gemm_job *job, const mpt_gemm_desc *d, int count) {
+    int t;
+    if (count < 2 || count > MPT__GEMM_MAX_PARTS || d[0].m <= 0 || d[0].k <= 0 ||
+        d[0].alpha_is_zero)
+        return 0;
+#if MPT__X86
+    if (mpt__gemm_few_rows(job)) return 0;
+#endif
+    for (t = 0; t < count; t++) {
+        const mpt_gemm_desc *e = &d[t];
+        if (e->a != d[0].a || e->lda != d[0].lda || e->trans_a != d[0].trans_a ||
+            e->m != d[0].m || e->k != d[0].k || e->ab_dtype != d[0].ab_dtype ||
+            e->alpha != d[0].alpha || e->alpha_is_zero || e->beta != d[0].beta ||
+            e->trans_b != d[0].trans_b || e->activation != d[0].activation || e->n <= 0 ||
+            (t < count - 1 && e->n % job->nr))
+            return 0;
+    }
+    return 1;
+}
+
+/* The products d[0..count), each as mpt__gemm gives it, bit for bit;
+   where they share A (mpt__gemm_shares_a: self-attention's query, key and
+   value projections of one x), as one product over their columns side by
+   side, so that each panel of A is packed once for all of them, not once
+   each. */
+static void mpt__gemm_shared_a(mpt_context *ctx, const mpt_gemm_desc *d, int count) {
+    mpt__gemm_part parts[MPT__GEMM_MAX_PARTS];
+    mpt_gemm_desc all;
+    mpt__gemm_job job;
+    int64_t tasks_m, n = 0;
+    int t;
+    if (count < 1) return;
+    all = d[0];
+    mpt__gemm_job_init(ctx, &all, MPT_DTYPE_DEFAULT, &job);
+    if (!mpt__gemm_shares_a(&job, d, count)) {
+        for (t = 0; t < count; t++) mpt__gemm(ctx, &d[t]);
+        return;
+    }
+    for (t = 0; t < count; t++) {
+        parts[t].b = d[t].b;
+        parts[t].ldb = d[t].ldb;
+        parts[t].c = d[t].c;
+        parts[t].ldc = d[t].ldc;
+        parts[t].bias = d[t].bias;
+        parts[t].col0 = n;
+        n += d[t].n;
+    }
+    all.n = n;
+    job.parts = parts;
+    job.n_parts = count;
+    mpt__gemm_plan_tasks(&job, ctx->num_threads);
+    tasks_m = (all.m + job.task_rows - 1) / job.task_rows;
+    mpt__parallel_for(ctx, tasks_m * job.tasks_n, mpt__gemm_task, &job);
+}
+
 /* A float32 A times a float16 B (weights kept in half, computed in
    float32): B is widened as it is packed (or read), exactly, so the bits
    are those of the product with B widened first, without that copy. */
 static void mpt__gemm_half_b(mpt_context *ctx, const mpt_gemm_desc *d) {
     mpt__gemm_typed(ctx, d, MPT_FLOAT16);
 }
+
+/* -----------------------------------------------------------------------------
+   The checked entry point
+   ----------------------------------------------------------------------------- */
+
+/* Checks one operand: stored rows × cols with leading dimension ld. */
+static mpt_status mpt__gemm_check_operand(mpt_context *ctx, const char *name, const void *p,
+                                          int trans, int64_t rows, int64_t cols, int64_t ld,
+                                          const char *ld_name) {
+    int64_t last;
+    if (rows == 0 || cols == 0) return MPT_OK; /* not referenced */
+    if (!p) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: %s is NULL", name);
+    if (ld < cols)
+        return mpt__fail(ctx, MPT_ERR_SHAPE,
+                         "gemm: %s = %lld is less than the %lld columns of %s as stored "
+                         "(%lld×%lld%s)",
+                         ld_name, (long long)ld, (long long)cols, name, (long long)rows,
+                         (long long)cols, trans ? ", transposed" : "");
+    if (!mpt__mul_ok(rows - 1, ld, &last) || !mpt__add_ok(last, cols, &last))
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "gemm: %s (%lld×%lld, %s = %lld) overflows",
+                         name, (long long)rows, (long long)cols, ld_name, (long long)ld);
+    return MPT_OK;
+}
+
+MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
+    mpt_dtype dt;
+    int64_t fmas;
+    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
+    if (!d) return MPT_OK; /* NULL: every default, the empty product */
+    if (d->m < 0 || d->n < 0 || d->k < 0)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "gemm: m = %lld, n = %lld, k = %lld (negative)",
+                         (long long)d->m, (long long)d->n, (long long)d->k);
+    dt = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
+    if ((int)dt < 0 || dt >= MPT_DTYPE_COUNT_)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: unknown ab_dtype %d", (int)dt);
+    if (!mpt_dtype_is_float(dt))
+        return mpt__fail(ctx, MPT_ERR_DTYPE,
+                         "gemm: ab_dtype %s (%d) is not float32, float16 or bfloat16",
+                         mpt_dtype_name(dt), (int)dt);
+    if (!mpt__activation_valid(d->activation))
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: unknown activation %d",
+                         (int)d->activation);
+    if (d->activation == MPT_ACT_SOFTMAX)
+        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
+                         "gemm: activation softmax (%d) is not elementwise; apply it after "
+                         "the product", (int)d->activation);
+    if (!mpt__mul_ok(d->m, d->n, &fmas))
+        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "gemm: m·n = %lld·%lld overflows",
+                         (long long)d->m, (long long)d->n);
+    if (d->m == 0 || d->n == 0) return MPT_OK;
+    if (!d->c) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: c is NULL");
+    if (d->ldc < d->n)
+        return mpt__fail(ctx, MPT_ERR_SHAPE, "gemm: ldc = %lld is less than n = %lld",
+                         (long long)d->ldc, (long long)d->n);
+    MPT__CHECK(mpt__gemm_check_operand(ctx, "c", d->c, 0, d->m, d->n, d->ldc, "ldc"));
+    if (!d->alpha_is_zero) {
+        MPT__CHECK(mpt__gemm_check_operand(ctx, "a", d->a, d->trans_a,
+                                           d->trans_a ? d->k : d->m, d->trans_a ? d->m : d->k,
+                                           d->lda, "lda"));
+        MPT__CHECK(mpt__gemm_check_operand(ctx, "b", d->b, d->trans_b,
+                                           d->trans_b ? d->n : d->k, d->trans_b ? d->k : d->n,
+                                           d->ldb, "ldb"));
+    }
+    mpt__gemm(ctx, d);
+    return MPT_OK;
+}
+
+/* =============================================================================
+   @impl-gemm-packed: B packed once for many products: predict's kept weights
+   (panels, strips, a float16 B kept)
+   ============================================================================= */
 
 /* ---- B packed once: constant weights, many products ---------------------------------- *
 
@@ -29188,72 +29495,6 @@ static void mpt__gemm_half_on_kept(mpt_context *ctx, const mpt_gemm_desc *d,
     }
 #endif
     mpt__gemm_on_packed(ctx, d, h->panels);
-}
-
-/* -----------------------------------------------------------------------------
-   The checked entry point
-   ----------------------------------------------------------------------------- */
-
-/* Checks one operand: stored rows × cols with leading dimension ld. */
-static mpt_status mpt__gemm_check_operand(mpt_context *ctx, const char *name, const void *p,
-                                          int trans, int64_t rows, int64_t cols, int64_t ld,
-                                          const char *ld_name) {
-    int64_t last;
-    if (rows == 0 || cols == 0) return MPT_OK; /* not referenced */
-    if (!p) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: %s is NULL", name);
-    if (ld < cols)
-        return mpt__fail(ctx, MPT_ERR_SHAPE,
-                         "gemm: %s = %lld is less than the %lld columns of %s as stored "
-                         "(%lld×%lld%s)",
-                         ld_name, (long long)ld, (long long)cols, name, (long long)rows,
-                         (long long)cols, trans ? ", transposed" : "");
-    if (!mpt__mul_ok(rows - 1, ld, &last) || !mpt__add_ok(last, cols, &last))
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "gemm: %s (%lld×%lld, %s = %lld) overflows",
-                         name, (long long)rows, (long long)cols, ld_name, (long long)ld);
-    return MPT_OK;
-}
-
-MPTDEF mpt_status mpt_gemm(mpt_context *ctx, const mpt_gemm_desc *d) {
-    mpt_dtype dt;
-    int64_t fmas;
-    if (!ctx) return MPT_ERR_INVALID_ARGUMENT;
-    if (!d) return MPT_OK; /* NULL: every default, the empty product */
-    if (d->m < 0 || d->n < 0 || d->k < 0)
-        return mpt__fail(ctx, MPT_ERR_SHAPE, "gemm: m = %lld, n = %lld, k = %lld (negative)",
-                         (long long)d->m, (long long)d->n, (long long)d->k);
-    dt = d->ab_dtype ? d->ab_dtype : MPT_FLOAT32;
-    if ((int)dt < 0 || dt >= MPT_DTYPE_COUNT_)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: unknown ab_dtype %d", (int)dt);
-    if (!mpt_dtype_is_float(dt))
-        return mpt__fail(ctx, MPT_ERR_DTYPE,
-                         "gemm: ab_dtype %s (%d) is not float32, float16 or bfloat16",
-                         mpt_dtype_name(dt), (int)dt);
-    if (!mpt__activation_valid(d->activation))
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: unknown activation %d",
-                         (int)d->activation);
-    if (d->activation == MPT_ACT_SOFTMAX)
-        return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT,
-                         "gemm: activation softmax (%d) is not elementwise; apply it after "
-                         "the product", (int)d->activation);
-    if (!mpt__mul_ok(d->m, d->n, &fmas))
-        return mpt__fail(ctx, MPT_ERR_OVERFLOW, "gemm: m·n = %lld·%lld overflows",
-                         (long long)d->m, (long long)d->n);
-    if (d->m == 0 || d->n == 0) return MPT_OK;
-    if (!d->c) return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "gemm: c is NULL");
-    if (d->ldc < d->n)
-        return mpt__fail(ctx, MPT_ERR_SHAPE, "gemm: ldc = %lld is less than n = %lld",
-                         (long long)d->ldc, (long long)d->n);
-    MPT__CHECK(mpt__gemm_check_operand(ctx, "c", d->c, 0, d->m, d->n, d->ldc, "ldc"));
-    if (!d->alpha_is_zero) {
-        MPT__CHECK(mpt__gemm_check_operand(ctx, "a", d->a, d->trans_a,
-                                           d->trans_a ? d->k : d->m, d->trans_a ? d->m : d->k,
-                                           d->lda, "lda"));
-        MPT__CHECK(mpt__gemm_check_operand(ctx, "b", d->b, d->trans_b,
-                                           d->trans_b ? d->n : d->k, d->trans_b ? d->k : d->n,
-                                           d->ldb, "ldb"));
-    }
-    mpt__gemm(ctx, d);
-    return MPT_OK;
 }
 
 /* =============================================================================
@@ -43895,6 +44136,12 @@ static void mpt__cpu_gemm(void *impl, const mpt_gemm_desc *d, mpt_dtype c_dtype)
     mpt__gemm((mpt_context *)impl, d);
 }
 
+static void mpt__cpu_gemm_shared_a(void *impl, const mpt_gemm_desc *d, int count,
+                                   mpt_dtype c_dtype) {
+    (void)c_dtype;
+    mpt__gemm_shared_a((mpt_context *)impl, d, count);
+}
+
 static void mpt__cpu_convert(void *impl, mpt_dtype dst_dtype, void *dst, mpt_dtype src_dtype,
                              const void *src, int64_t n) {
     mpt__convert((const mpt_context *)impl, dst_dtype, dst, src_dtype, src, n);
@@ -43919,6 +44166,54 @@ typedef struct mpt__activation_job {
 static void mpt__activation_chunk(void *arg, int64_t i, int64_t count) {
     const mpt__activation_job *j = (const mpt__activation_job *)arg;
     mpt__activation_forward_cpu(j->cpu, j->act, j->x + i, count);
+}
+
+/* The CPU's activation_keep_z: blocks of x small enough to stay in L1,
+   each rounded into z, copied to a buffer on the stack, activated there
+   and rounded into y, so that x is read from memory once and never
+   written (the three passes read it three times and wrote it once). The
+   same functions on the same floats, each element on its own: the bits
+   of the three passes. */
+#define MPT__KEEP_Z_BLOCK 2048
+
+typedef struct mpt__keep_z_job {
+    int cpu;
+    mpt_activation act;
+    mpt_dtype dtype;
+    mpt__convert_fn round;
+    const float *x;
+    char *z, *y;
+} mpt__keep_z_job;
+
+static void mpt__keep_z_chunk(void *arg, int64_t begin, int64_t count) {
+    const mpt__keep_z_job *j = (const mpt__keep_z_job *)arg;
+    const size_t es = mpt_dtype_size(j->dtype);
+    float buf[MPT__KEEP_Z_BLOCK];
+    int64_t i, n;
+    for (i = begin; i < begin + count; i += n) {
+        n = MPT__MIN(MPT__KEEP_Z_BLOCK, begin + count - i);
+        j->round(j->dtype, j->z + (size_t)i * es, MPT_FLOAT32, j->x + i, n);
+        memcpy(buf, j->x + i, sizeof(float) * (size_t)n);
+        mpt__activation_forward_cpu(j->cpu, j->act, buf, n);
+        j->round(j->dtype, j->y + (size_t)i * es, MPT_FLOAT32, buf, n); /* y may be x */
+    }
+}
+
+static void mpt__cpu_activation_keep_z(void *impl, mpt_activation act, mpt_dtype dtype, float *x,
+                                       void *z, void *y, int64_t n) {
+    mpt_context *ctx = (mpt_context *)impl;
+    mpt__keep_z_job j;
+    j.cpu = ctx->cpu;
+    j.act = act;
+    j.dtype = dtype;
+    j.round = mpt__convert_kernel(ctx->cpu, dtype, MPT_FLOAT32);
+    j.x = x;
+    j.z = (char *)z;
+    j.y = (char *)y;
+    if (n < 2 * MPT__CONVERT_CHUNK)
+        mpt__keep_z_chunk(&j, 0, n);
+    else
+        mpt__parallel_chunks(ctx, n, mpt__keep_z_chunk, &j);
 }
 
 /* Elementwise activations over the pool in mpt__convert's chunks (each
@@ -44150,9 +44445,11 @@ static void mpt__cpu_table_fill(mpt_backend *t) {
     t->graph_free = mpt__cpu_graph_free;
     t->gemm = mpt__cpu_gemm;
     t->gemm_plan = NULL; /* nothing to choose */
+    t->gemm_shared_a = mpt__cpu_gemm_shared_a;
     t->convert = mpt__cpu_convert;
     t->lookup_u8 = mpt__cpu_lookup_u8;
     t->activation = mpt__cpu_activation;
+    t->activation_keep_z = mpt__cpu_activation_keep_z;
     t->activation_grad = mpt__cpu_activation_grad;
     t->column_sums = mpt__cpu_column_sums;
     t->dz_and_bias_grad = mpt__cpu_dz_and_bias_grad;

@@ -344,6 +344,8 @@ static inline const char *backend_table_gap(const mpt_backend *t) {
     named++; /* lookup_u8: optional */
     named++; /* conv_direct: optional */
     named++; /* dz_and_bias_grad: optional */
+    named++; /* gemm_shared_a: optional */
+    named++; /* activation_keep_z: optional */
     collectives = !!t->comm_id + !!t->comm_create + !!t->comm_destroy + !!t->allreduce_sum +
                   !!t->comm_error;
     named += 5;

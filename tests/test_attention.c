@@ -622,6 +622,9 @@ static void test_mha_gradients(int keep) {
         {MHA_SELF, 4, 5, 3, 2, 4, 3, 0, 0, 0, 1, 0, NULL, 0, 0},
         {MHA_SELF, 4, 4, 1, 4, 4, 4, 0, 0, 0, 0, 0, NULL, 0, 0},
         {MHA_SELF, 6, 4, 2, 2, 2, 4, 0, 0, 1, 1, 0.25f, NULL, 0, 0},
+        /* H·key_dim = 32, whole GEMM panels: the query, key and value
+           products run as one on x (mpt__gemm_shared_a) */
+        {MHA_SELF, 5, 8, 2, 16, 16, 8, 0, 0, 1, 1, 0, NULL, 0, 0},
         {MHA_KEY_VALUE, 3, 4, 2, 3, 2, 5, 6, 7, 0, 1, 0, NULL, 0, 0},
         {MHA_LONGER_VALUE, 3, 4, 2, 2, 3, 4, 0, 0, 1, 1, 0, NULL, 0, 0}};
     int k, p;

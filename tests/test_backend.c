@@ -790,9 +790,11 @@ static void use_emulated_device(mpt_context *c) {
     emu_table.zero = emu_zero;
     emu_table.gemm = emu_gemm;
     emu_table.gemm_plan = emu_gemm_plan;
+    emu_table.gemm_shared_a = NULL; /* as the CUDA backend: gemm once per product */
     emu_table.convert = emu_convert;
     emu_table.lookup_u8 = emu_lookup_u8;
     emu_table.activation = emu_activation;
+    emu_table.activation_keep_z = NULL; /* as the CUDA backend: convert, activation, convert */
     emu_table.activation_grad = emu_activation_grad;
     emu_table.column_sums = emu_column_sums;
     emu_table.dz_and_bias_grad = NULL; /* as the CUDA backend: the three calls above */

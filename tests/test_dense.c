@@ -741,6 +741,52 @@ static void test_bad_input(void) {
 
 /* Mixed dtypes in one model: a float16 Dense feeding a float32 one, the
    casts between them in both directions. */
+/* A GELU Dense's training forward in one pass (the CPU backend's
+   activation_keep_z: z and act(z) rounded from the float32 product)
+   gives the bits of the three passes it replaces, convert, activation in
+   place, convert: both GELUs, every float dtype (float32 with y in place
+   of x, as Dense calls it), lengths that end inside a block, on one, and
+   past the pool's chunks (on 2 threads). */
+static void test_gelu_keep_z(void) {
+    static const int64_t ns[] = {1, 17, 2048, 2049, (int64_t)3 << 16 | 5};
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    static const mpt_activation acts[] = {MPT_ACT_GELU, MPT_ACT_GELU_TANH};
+    const mpt_backend *be = mpt__cpu_backend();
+    int ni, di, ai, bad = 0, cases = 0;
+    CHECK(be->activation_keep_z != NULL, "the CPU backend has no activation_keep_z");
+    for (ni = 0; be->activation_keep_z && ni < 5; ni++)
+        for (di = 0; di < 3; di++)
+            for (ai = 0; ai < 2; ai++) {
+                const int64_t n = ns[ni];
+                const size_t es = mpt_dtype_size(dts[di]);
+                float *x = (float *)malloc(sizeof(float) * (size_t)n);
+                float *acc = (float *)malloc(sizeof(float) * (size_t)n);
+                char *z0 = (char *)malloc(es * (size_t)n), *y0 = (char *)malloc(es * (size_t)n);
+                char *z1 = (char *)malloc(es * (size_t)n), *y1 = (char *)malloc(es * (size_t)n);
+                int64_t i;
+                for (i = 0; i < n; i++) x[i] = (float)test_uniform(-6, 6);
+                /* the three passes */
+                memcpy(acc, x, sizeof(float) * (size_t)n);
+                be->convert(ctx, dts[di], z0, MPT_FLOAT32, acc, n);
+                be->activation(ctx, acts[ai], acc, 1, n);
+                be->convert(ctx, dts[di], y0, MPT_FLOAT32, acc, n);
+                /* the one */
+                memcpy(acc, x, sizeof(float) * (size_t)n);
+                be->activation_keep_z(ctx, acts[ai], dts[di], acc, z1,
+                                      dts[di] == MPT_FLOAT32 ? (void *)acc : (void *)y1, n);
+                if (dts[di] == MPT_FLOAT32) memcpy(y1, acc, sizeof(float) * (size_t)n);
+                if ((memcmp(z0, z1, es * (size_t)n) || memcmp(y0, y1, es * (size_t)n)) &&
+                    bad++ == 0)
+                    CHECK(0, "%s over %lld %s: z %s, y %s", mpt_activation_name(acts[ai]),
+                          (long long)n, mpt_dtype_name(dts[di]),
+                          memcmp(z0, z1, es * (size_t)n) ? "differs" : "the same",
+                          memcmp(y0, y1, es * (size_t)n) ? "differs" : "the same");
+                cases++;
+                free(x), free(acc), free(z0), free(y0), free(z1), free(y1);
+            }
+    CHECK(bad == 0, "%d of %d cases differ from the three passes", bad, cases);
+}
+
 static void test_mixed_chain(void) {
     mpt_model *m = NULL;
     chain_ref d = {1, 1, 6, 4, MPT_ACT_NONE};
@@ -780,6 +826,7 @@ int main(void) {
     TEST_RUN(test_dense_ranked_summary);
     TEST_RUN(test_gelu_tanh_rule);
     TEST_RUN(test_gelu_vector);
+    TEST_RUN(test_gelu_keep_z);
     TEST_RUN(test_initializers);
     TEST_RUN(test_seeded_init);
     TEST_RUN(test_mixed_chain);

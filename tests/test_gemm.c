@@ -448,6 +448,125 @@ static void test_few_rows(void) {
     mpt_context_destroy(ctx);
 }
 
+/* One set of products sharing A (widths: up to 3, a 0 ends them early),
+   each part checked against its own mpt_gemm: -1 where one differs (or
+   its padding was written), else 1 where the set took the shared path
+   and 0 where it ran part by part. */
+static int shared_a_case(mpt_context *ctx, const int64_t *widths, int64_t m, int64_t k,
+                         mpt_dtype dt, int ta, int tb, int with_beta, mpt_activation act) {
+    mpt_gemm_desc d[3];
+    void *b[3], *c0[3];
+    float *vals, *own[3], *together[3];
+    const int64_t lda = (ta ? m : k) + 1;
+    void *a = rand_matrix(dt, ta ? k : m, lda, &vals);
+    mpt__gemm_job job;
+    int count = 0, p, result;
+    free(vals);
+    for (p = 0; p < 3 && widths[p]; p++, count++) {
+        const int64_t n = widths[p], ldb = (tb ? k : n) + 2, ldc = n + 3;
+        float *bias;
+        b[p] = rand_matrix(dt, tb ? n : k, ldb, &vals);
+        free(vals);
+        c0[p] = rand_matrix(MPT_FLOAT32, m, ldc, &vals);
+        free(vals);
+        bias = (float *)rand_matrix(MPT_FLOAT32, 1, n, &vals);
+        free(vals);
+        if (p == 1) { /* the middle part without one */
+            free(bias);
+            bias = NULL;
+        }
+        memset(&d[p], 0, sizeof d[p]);
+        d[p].trans_a = ta;
+        d[p].trans_b = tb;
+        d[p].m = m;
+        d[p].n = n;
+        d[p].k = k;
+        d[p].ab_dtype = dt;
+        d[p].a = a;
+        d[p].lda = lda;
+        d[p].b = b[p];
+        d[p].ldb = ldb;
+        d[p].ldc = ldc;
+        d[p].beta = with_beta ? 0.5f : 0;
+        d[p].bias = bias;
+        d[p].activation = act;
+        own[p] = (float *)malloc(sizeof(float) * (size_t)(m * ldc));
+        together[p] = (float *)malloc(sizeof(float) * (size_t)(m * ldc));
+        memcpy(own[p], c0[p], sizeof(float) * (size_t)(m * ldc));
+        memcpy(together[p], c0[p], sizeof(float) * (size_t)(m * ldc));
+        d[p].c = own[p];
+        CHECK(mpt_gemm(ctx, &d[p]) == MPT_OK, "own product: %s", mpt_context_error(ctx));
+        d[p].c = together[p];
+    }
+    mpt__gemm_job_init(ctx, &d[0], MPT_DTYPE_DEFAULT, &job);
+    result = mpt__gemm_shares_a(&job, d, count);
+    mpt__gemm_shared_a(ctx, d, count);
+    for (p = 0; p < count; p++) {
+        if (memcmp(own[p], together[p], sizeof(float) * (size_t)(m * d[p].ldc))) {
+            if (result >= 0)
+                CHECK(0, "part %d (%lld columns) of %lldx%lld (%s, %s A, %s B, beta %g, %s) "
+                      "differs from its own product", p, (long long)d[p].n, (long long)m,
+                      (long long)k, mpt_dtype_name(dt), ta ? "transposed" : "plain",
+                      tb ? "transposed" : "plain", (double)d[p].beta,
+                      mpt_activation_name(act));
+            result = -1;
+        }
+        free(own[p]);
+        free(together[p]);
+        free(b[p]);
+        free(c0[p]);
+        free((void *)d[p].bias);
+    }
+    free(a);
+    return result;
+}
+
+/* Products that share A run as one (mpt__gemm_shared_a: self-attention's
+   query, key and value projections of one x) and give each part the bits
+   of its own mpt_gemm, C's padding untouched: parts whose widths are
+   whole panels (and a last that is not), parts that are not (run one by
+   one), few rows, depths of one and two blocks, both layouts of A and of
+   B, every dtype, beta, bias and activations, 1 and 2 threads, on every
+   path. At least some cases must take the shared path. */
+static void test_shared_a(void) {
+    static const int64_t widths[][3] = {{32, 32, 32}, {64, 16, 40}, {96, 33, 0}, {128, 256, 64}};
+    static const int64_t ms[] = {3, 37, 300}, ks[] = {7, 600};
+    static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
+    static const mpt_activation acts[] = {MPT_ACT_NONE, MPT_ACT_RELU, MPT_ACT_GELU};
+    int pi, t, wi, mi, ki, di, ta, tb;
+    for (pi = 0; pi < N_PATHS; pi++) {
+        if (pi == 3) continue; /* f16c off only changes the float16 packing */
+        for (t = 1; t <= 2; t++) {
+            mpt_context *ctx = path_ctx(t, paths[pi].disable);
+            int bad = 0, cases = 0, shared = 0, have;
+            have = ctx && (mpt_context_cpu_features(ctx) & paths[pi].needs) == paths[pi].needs;
+            test__begin();
+            if (!have) SKIP("this CPU lacks the path");
+            test_seed(700 + (unsigned)(pi * 10 + t));
+            for (wi = 0; have && wi < 4; wi++)
+                for (mi = 0; mi < 3; mi++)
+                    for (ki = 0; ki < 2; ki++)
+                        for (di = 0; di < 3; di++)
+                            for (ta = 0; ta < 2; ta++)
+                                for (tb = 0; tb < 2; tb++) {
+                                    int r = shared_a_case(ctx, widths[wi], ms[mi], ks[ki],
+                                                          dts[di], ta, tb, (wi + mi + di) % 2,
+                                                          acts[(wi + ki + ta + tb) % 3]);
+                                    bad += r < 0;
+                                    shared += r == 1;
+                                    cases++;
+                                }
+            CHECK(bad == 0, "%d of %d sets of products sharing A differ from their own "
+                  "products", bad, cases);
+            CHECK(!have || shared > 0, "no set of %d took the shared path", cases);
+            test__end("gemm: products sharing A bit-identical to each alone, %s, %d thread%s "
+                      "(%d sets, %d shared)", paths[pi].name, t, t > 1 ? "s" : "", cases,
+                      shared);
+            mpt_context_destroy(ctx);
+        }
+    }
+}
+
 /* A float32 A times a float16 B (the float16 models' weights, widened as
    B is packed or read: mpt__gemm_half_b) gives the bits of the product
    with B widened to float32 first, on every path, both B layouts, few
@@ -892,6 +1011,7 @@ static void cases(void) {
     test_epilogue();
     test_determinism();
     test_few_rows();
+    test_shared_a();
     test_half_b();
     test_packed_b();
     test_strips_b();

@@ -367,14 +367,16 @@ static void test_large(void) {
 
 /* Products of 1 to 4 rows (a batch of 1 to 4 samples) and those whose
    last panel of 12 rows is that short (14, 16, 28): the VNNI path runs
-   those rows alone (mpt__qgemm_kernel_vnni_few), from packed panels or,
-   before the last panel, in place; every element equals the reference,
+   those rows alone (mpt__qgemm_kernel_vnni_few), in place before the
+   last panel and in it where K is whole groups of 4 (K = 4, 8, 12, 300),
+   from a packed panel where it is not (K = 5, 6, 9: A's last group read
+   in place would lie past A); every element equals the reference,
    for K odd and even in groups (its two sets of sums), whole and half
    panels of B, both orientations, int8 and uint8 A, on 1 and 2 threads. */
 static void test_few_rows(void) {
     static const int64_t ms[] = {1, 2, 3, 4, 14, 16, 28};
     static const int64_t ns[] = {1, 16, 17, 32, 33, 100};
-    static const int64_t ks[] = {1, 4, 5, 8, 9, 12, 300};
+    static const int64_t ks[] = {1, 4, 5, 6, 8, 9, 12, 300};
     int p, t, mi, ni, ki, cases = 0;
     for (p = 0; p < N_PATHS; p++) {
         test__begin();
@@ -384,7 +386,7 @@ static void test_few_rows(void) {
             test_seed(600 + (unsigned)t);
             for (mi = 0; mi < 7; mi++)
                 for (ni = 0; ni < 6; ni++)
-                    for (ki = 0; ki < 7; ki++) {
+                    for (ki = 0; ki < 8; ki++) {
                         qcase q;
                         qdata x;
                         char w[256];

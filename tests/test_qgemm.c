@@ -411,6 +411,51 @@ static void test_few_rows(void) {
     }
 }
 
+/* Products of 1 to 4 rows against a B of 256 KB or more (a batch of 1's
+   large Dense: the mlp's 784 × 1024, one of 1000 × 300 whose columns
+   end in half a panel) run as one task per thread, each its own columns
+   (MPT__QGEMM_STREAM_BYTES); 5 rows and a smaller B as before. Every
+   element equals the reference on 1, 2 and 3 threads, int8 and int32 C,
+   B packed by the call and ahead. */
+static void test_few_rows_large_b(void) {
+    static const int64_t ms[] = {1, 2, 3, 4, 5};
+    static const int64_t nk[][2] = {{1024, 784}, {300, 1000}, {100, 300}};
+    int p, t, mi, c, cases = 0;
+    for (p = 0; p < N_PATHS; p++) {
+        test__begin();
+        for (t = 1; t <= 3; t++) {
+            mpt_context *ctx = path_ctx_for_test(p, t);
+            if (!ctx) break;
+            test_seed(700 + (unsigned)t);
+            for (mi = 0; mi < 5; mi++)
+                for (c = 0; c < 3; c++) {
+                    qcase q;
+                    qdata x;
+                    char w[256];
+                    memset(&q, 0, sizeof q);
+                    q.m = ms[mi], q.n = nk[c][0], q.k = nk[c][1];
+                    q.int8_out = cases & 1;
+                    q.trans_b = 1;
+                    q.a_unsigned = cases % 3 == 0;
+                    q.bias = 1;
+                    q.per_channel = (cases >> 1) & 1;
+                    cases++;
+                    make_case(&q, &x);
+                    CHECK(run_and_compare(ctx, NULL, &q, &x, w, sizeof w),
+                          "m %lld n %lld k %lld, %d threads: %s", (long long)q.m,
+                          (long long)q.n, (long long)q.k, t, w);
+                    CHECK(run_and_compare(ctx, ctx, &q, &x, w, sizeof w),
+                          "m %lld n %lld k %lld, %d threads, B packed ahead: %s",
+                          (long long)q.m, (long long)q.n, (long long)q.k, t, w);
+                    free_case(&x);
+                }
+            mpt_context_destroy(ctx);
+        }
+        test__end("qgemm few rows against a large B, a task per thread, bit-exact, 1-3 "
+                  "threads, %s", paths[p].name);
+    }
+}
+
 /* The dynamic-range model's activations quantized (mpt__q_symmetric_rows)
    and its products dequantized (mpt__q_dequantize_rows_task) in AVX-512
    give the portable loops' bits: row lengths on both sides of 16 (the
@@ -1155,6 +1200,7 @@ int main(void) {
     test_shapes();
     test_large();
     test_few_rows();
+    test_few_rows_large_b();
     test_dynamic_rows();
     return test_summary("test_qgemm");
 }

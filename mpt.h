@@ -33019,6 +33019,17 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
    steps, so the thread count cannot change a bit. */
 
 #define MPT__QGEMM_SERIAL_MACS ((int64_t)1 << 20) /* below: one task */
+/* A product of up to MPT__QGEMM_STREAM_ROWS rows (a batch of 1 to 4
+   samples) is one pass over B's bytes, which one core reads no faster
+   than its cache gives them: from MPT__QGEMM_STREAM_BYTES of B (the
+   mlp's 784 × 1024 Dense, cnn_small's 5408 × 128) it runs as one task
+   per thread, each reading its own columns, whatever its multiply-adds.
+   On a quiet 2-core Zen 4 the int8 predicts of one image took 0.54x the
+   time (the mlp) and 0.75x (cnn_small); with the other core busy they
+   took up to 1.05x (load 5) and 1.15x (cnn_small, load 3): the second
+   task waits for a core (bench/ab_predict.py; 1 thread does not split). */
+#define MPT__QGEMM_STREAM_BYTES ((int64_t)256 << 10)
+#define MPT__QGEMM_STREAM_ROWS 4
 #define MPT__QGEMM_PLAN_THREADS 16 /* up to: tasks shaped by mpt__qgemm_makespan */
 
 #if MPT__X86
@@ -33702,9 +33713,14 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     int i;
     for (ir = i0; ir < i1; ir += mr) {
         const int mb = (int)MPT__MIN(mr, i1 - ir);
-        /* rows read in place: not in the panel of A's last row, whose
-           bytes past K would lie past A */
-        const int in_place = job->rows_in_place && ir + mb < d->m;
+        /* rows read in place: in the panel of A's last row only where K
+           is whole groups of 4 (else that row's last group would read
+           bytes past A). A batch of 1 to 4 is that panel alone: packing
+           it zeroed and filled a 12-row panel for one row, and reading
+           in place made the mlp's and cnn_small's int8 predicts of one
+           image 1.2-1.35x faster (bench/ab_predict.py against the
+           packing) */
+        const int in_place = job->rows_in_place && (ir + mb < d->m || d->k % 4 == 0);
 #if MPT__X86
         const int few = job->kernel == mpt__qgemm_kernel_vnni && mb <= MPT__QGEMM_FEW_ROWS;
 #endif
@@ -33757,6 +33773,12 @@ static double mpt__qgemm_makespan(int64_t um, int64_t un, int64_t ur, int64_t uc
     return last;
 }
 
+/* Whether d is a few rows against a B worth splitting over the threads. */
+static int mpt__qgemm_streams_b(const mpt_qgemm_desc *d, int threads) {
+    return threads > 1 && d->m <= MPT__QGEMM_STREAM_ROWS &&
+           (double)d->n * (double)d->k >= (double)MPT__QGEMM_STREAM_BYTES;
+}
+
 /* Tasks: rectangles of whole tiles, up to 4 per thread (the pool hands
    them out as threads free up). Up to MPT__QGEMM_PLAN_THREADS threads,
    shaped so that the last thread finishes soonest (mpt__qgemm_makespan;
@@ -33770,7 +33792,9 @@ static void mpt__qgemm_plan_tasks(mpt__qgemm_job *job, int threads, int serial) 
     const mpt_qgemm_desc *d = job->d;
     const int64_t units_m = (d->m + job->mr - 1) / job->mr;
     const int64_t units_n = (d->n + job->nr - 1) / job->nr;
-    const int64_t target = serial ? 1 : 4 * (int64_t)threads;
+    const int64_t target = serial                                ? 1
+                           : mpt__qgemm_streams_b(d, threads) ? (int64_t)threads
+                                                                : 4 * (int64_t)threads;
     const double pack = job->rows_in_place ? 0.0 : 1.0;
     int64_t tm, tn, ur, uc, last_ur = 0, last_uc, best_ur, best_uc, best_tasks = 0;
     double best = -1;
@@ -33906,7 +33930,8 @@ static mpt_status mpt__qgemm_run(mpt_context *ctx, const mpt_qgemm_desc *d, int 
 #endif
     macs = (double)d->m * (double)d->n * (double)MPT__MAX(d->k, 1) < (double)INT64_MAX / 2
                ? d->m * d->n * MPT__MAX(d->k, 1) : INT64_MAX;
-    serial = ctx->num_threads <= 1 || macs < MPT__QGEMM_SERIAL_MACS;
+    serial = ctx->num_threads <= 1 ||
+             (macs < MPT__QGEMM_SERIAL_MACS && !mpt__qgemm_streams_b(d, ctx->num_threads));
     if (d->b_packed) {
         job.bpack = d->b_packed->bpack;
         job.colsum = d->b_packed->colsum;

@@ -367,14 +367,16 @@ static void test_large(void) {
 
 /* Products of 1 to 4 rows (a batch of 1 to 4 samples) and those whose
    last panel of 12 rows is that short (14, 16, 28): the VNNI path runs
-   those rows alone (mpt__qgemm_kernel_vnni_few), from packed panels or,
-   before the last panel, in place; every element equals the reference,
+   those rows alone (mpt__qgemm_kernel_vnni_few), in place before the
+   last panel and in it where K is whole groups of 4 (K = 4, 8, 12, 300),
+   from a packed panel where it is not (K = 5, 6, 9: A's last group read
+   in place would lie past A); every element equals the reference,
    for K odd and even in groups (its two sets of sums), whole and half
    panels of B, both orientations, int8 and uint8 A, on 1 and 2 threads. */
 static void test_few_rows(void) {
     static const int64_t ms[] = {1, 2, 3, 4, 14, 16, 28};
     static const int64_t ns[] = {1, 16, 17, 32, 33, 100};
-    static const int64_t ks[] = {1, 4, 5, 8, 9, 12, 300};
+    static const int64_t ks[] = {1, 4, 5, 6, 8, 9, 12, 300};
     int p, t, mi, ni, ki, cases = 0;
     for (p = 0; p < N_PATHS; p++) {
         test__begin();
@@ -384,7 +386,7 @@ static void test_few_rows(void) {
             test_seed(600 + (unsigned)t);
             for (mi = 0; mi < 7; mi++)
                 for (ni = 0; ni < 6; ni++)
-                    for (ki = 0; ki < 7; ki++) {
+                    for (ki = 0; ki < 8; ki++) {
                         qcase q;
                         qdata x;
                         char w[256];
@@ -406,6 +408,51 @@ static void test_few_rows(void) {
             mpt_context_destroy(ctx);
         }
         test__end("qgemm products of few rows bit-exact, 1 and 2 threads, %s", paths[p].name);
+    }
+}
+
+/* Products of 1 to 4 rows against a B of 256 KB or more (a batch of 1's
+   large Dense: the mlp's 784 × 1024, one of 1000 × 300 whose columns
+   end in half a panel) run as one task per thread, each its own columns
+   (MPT__QGEMM_STREAM_BYTES); 5 rows and a smaller B as before. Every
+   element equals the reference on 1, 2 and 3 threads, int8 and int32 C,
+   B packed by the call and ahead. */
+static void test_few_rows_large_b(void) {
+    static const int64_t ms[] = {1, 2, 3, 4, 5};
+    static const int64_t nk[][2] = {{1024, 784}, {300, 1000}, {100, 300}};
+    int p, t, mi, c, cases = 0;
+    for (p = 0; p < N_PATHS; p++) {
+        test__begin();
+        for (t = 1; t <= 3; t++) {
+            mpt_context *ctx = path_ctx_for_test(p, t);
+            if (!ctx) break;
+            test_seed(700 + (unsigned)t);
+            for (mi = 0; mi < 5; mi++)
+                for (c = 0; c < 3; c++) {
+                    qcase q;
+                    qdata x;
+                    char w[256];
+                    memset(&q, 0, sizeof q);
+                    q.m = ms[mi], q.n = nk[c][0], q.k = nk[c][1];
+                    q.int8_out = cases & 1;
+                    q.trans_b = 1;
+                    q.a_unsigned = cases % 3 == 0;
+                    q.bias = 1;
+                    q.per_channel = (cases >> 1) & 1;
+                    cases++;
+                    make_case(&q, &x);
+                    CHECK(run_and_compare(ctx, NULL, &q, &x, w, sizeof w),
+                          "m %lld n %lld k %lld, %d threads: %s", (long long)q.m,
+                          (long long)q.n, (long long)q.k, t, w);
+                    CHECK(run_and_compare(ctx, ctx, &q, &x, w, sizeof w),
+                          "m %lld n %lld k %lld, %d threads, B packed ahead: %s",
+                          (long long)q.m, (long long)q.n, (long long)q.k, t, w);
+                    free_case(&x);
+                }
+            mpt_context_destroy(ctx);
+        }
+        test__end("qgemm few rows against a large B, a task per thread, bit-exact, 1-3 "
+                  "threads, %s", paths[p].name);
     }
 }
 
@@ -1153,6 +1200,7 @@ int main(void) {
     test_shapes();
     test_large();
     test_few_rows();
+    test_few_rows_large_b();
     test_dynamic_rows();
     return test_summary("test_qgemm");
 }

@@ -365,6 +365,17 @@ static void test_large(void) {
     }
 }
 
+/* One case run on ctx and compared with the reference, B packed by the
+   call or ahead on pack_ctx; a failure names the shape, the threads and
+   where B was packed. */
+static void check_qcase(mpt_context *ctx, mpt_context *pack_ctx, qcase *q, qdata *x,
+                        int threads) {
+    char w[256];
+    CHECK(run_and_compare(ctx, pack_ctx, q, x, w, sizeof w),
+          "m %lld n %lld k %lld, %d threads, B %s: %s", (long long)q->m, (long long)q->n,
+          (long long)q->k, threads, pack_ctx ? "packed ahead" : "packed by the call", w);
+}
+
 /* Products of 1 to 4 rows (a batch of 1 to 4 samples) and those whose
    last panel of 12 rows is that short (14, 16, 28): the VNNI path runs
    those rows alone (mpt__qgemm_kernel_vnni_few), in place before the
@@ -389,7 +400,6 @@ static void test_few_rows(void) {
                     for (ki = 0; ki < 8; ki++) {
                         qcase q;
                         qdata x;
-                        char w[256];
                         memset(&q, 0, sizeof q);
                         q.m = ms[mi], q.n = ns[ni], q.k = ks[ki];
                         q.int8_out = cases & 1;
@@ -400,9 +410,7 @@ static void test_few_rows(void) {
                         q.pad_a = cases % 7 == 0 ? 3 : 0;
                         cases++;
                         make_case(&q, &x);
-                        CHECK(run_and_compare(ctx, cases % 2 ? ctx : NULL, &q, &x, w, sizeof w),
-                              "m %lld n %lld k %lld, %d threads: %s", (long long)q.m,
-                              (long long)q.n, (long long)q.k, t, w);
+                        check_qcase(ctx, cases % 2 ? ctx : NULL, &q, &x, t);
                         free_case(&x);
                     }
             mpt_context_destroy(ctx);
@@ -431,7 +439,6 @@ static void test_few_rows_large_b(void) {
                 for (c = 0; c < 3; c++) {
                     qcase q;
                     qdata x;
-                    char w[256];
                     memset(&q, 0, sizeof q);
                     q.m = ms[mi], q.n = nk[c][0], q.k = nk[c][1];
                     q.int8_out = cases & 1;
@@ -441,12 +448,8 @@ static void test_few_rows_large_b(void) {
                     q.per_channel = (cases >> 1) & 1;
                     cases++;
                     make_case(&q, &x);
-                    CHECK(run_and_compare(ctx, NULL, &q, &x, w, sizeof w),
-                          "m %lld n %lld k %lld, %d threads: %s", (long long)q.m,
-                          (long long)q.n, (long long)q.k, t, w);
-                    CHECK(run_and_compare(ctx, ctx, &q, &x, w, sizeof w),
-                          "m %lld n %lld k %lld, %d threads, B packed ahead: %s",
-                          (long long)q.m, (long long)q.n, (long long)q.k, t, w);
+                    check_qcase(ctx, NULL, &q, &x, t);
+                    check_qcase(ctx, ctx, &q, &x, t);
                     free_case(&x);
                 }
             mpt_context_destroy(ctx);

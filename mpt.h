@@ -3898,14 +3898,26 @@ static inline MPT__HD double mpt__dmul_rn(double a, double b) {
 #define MPT__X86 1
 #include <immintrin.h>
 /* Functions with these attributes may use the named instructions; they are
-   only ever called after a run-time CPUID check. */
-#define MPT__TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+   only ever called after a run-time CPUID check. With fma among them, gcc
+   in its GNU modes (-ffp-contract=fast, its default there) would fuse a
+   product and the sum after it into one rounding where the code rounds
+   twice, so a build's bits would depend on -std: MPT__NO_CONTRACT asks
+   for what ISO C gives (-ffp-contract=off), in every mode. Fused
+   multiply-adds are written as such (_mm512_fmadd_ps) where meant. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define MPT__NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define MPT__NO_CONTRACT
+#endif
+#define MPT__TARGET_AVX2 __attribute__((target("avx2,fma,f16c"))) MPT__NO_CONTRACT
 #define MPT__TARGET_AVX512 \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
-#define MPT__TARGET_AVX512_BF16 \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")))
-#define MPT__TARGET_AVX512_VBMI \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,fma,f16c")))
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c"))) MPT__NO_CONTRACT
+#define MPT__TARGET_AVX512_BF16                                                           \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c"))) \
+    MPT__NO_CONTRACT
+#define MPT__TARGET_AVX512_VBMI                                                           \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,fma,f16c"))) \
+    MPT__NO_CONTRACT
 /* Forced inline: one generic loop becomes a kernel per dtype pair (or per
    case), its switches folded away at compile time. */
 #define MPT__ALWAYS_INLINE __attribute__((always_inline)) inline
@@ -33033,8 +33045,9 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
 #define MPT__QGEMM_PLAN_THREADS 16 /* up to: tasks shaped by mpt__qgemm_makespan */
 
 #if MPT__X86
-#define MPT__TARGET_AVX512_VNNI \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")))
+#define MPT__TARGET_AVX512_VNNI                                                           \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c"))) \
+    MPT__NO_CONTRACT
 #endif
 
 /* kg: depth groups; a: packed A panel (kg × MR groups); b: packed B panel

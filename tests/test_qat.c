@@ -356,6 +356,20 @@ static void make_images(void) {
     }
 }
 
+/* m compiled as the QAT tests' classifiers (Adam at 0.01, sparse
+   categorical crossentropy of logits or probabilities, accuracy) and built
+   for batches of 32. */
+static mpt_model *compiled_and_built(mpt_context *ctx, mpt_model *m, int from_logits) {
+    CHECK(mpt_model_compile(m, &(mpt_compile_desc){
+              .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
+              .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY,
+                       .from_logits = from_logits},
+              .metrics = MPT_METRIC_ACCURACY}) == MPT_OK,
+          "compile: %s", mpt_context_error(ctx));
+    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
+    return m;
+}
+
 static mpt_model *small_cnn(mpt_context *ctx, mpt_policy policy, int softmax) {
     mpt_model *m = NULL;
     mpt_model_create(ctx, &(mpt_model_desc){.input_shape = {S, S, CH}, .input_rank = 3,
@@ -368,12 +382,7 @@ static mpt_model *small_cnn(mpt_context *ctx, mpt_policy policy, int softmax) {
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
     mpt_model_add_dense(m, &(mpt_dense_desc){.units = CLASSES,
                                              .activation = softmax ? MPT_ACT_SOFTMAX : MPT_ACT_NONE});
-    mpt_model_compile(m, &(mpt_compile_desc){
-        .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
-        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = !softmax},
-        .metrics = MPT_METRIC_ACCURACY});
-    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    return m;
+    return compiled_and_built(ctx, m, !softmax);
 }
 
 /* max |a − b| over n values, in steps of `step`. */
@@ -404,12 +413,7 @@ static mpt_model *small_graph(mpt_context *ctx) {
     a = mpt_flatten(m, mpt_max_pooling2d(m, a, &(mpt_pool2d_desc){.pool_size = {2, 2}}), NULL);
     a = mpt_dense(m, a, &(mpt_dense_desc){.units = 8, .activation = MPT_ACT_RELU});
     mpt_dense(m, a, &(mpt_dense_desc){.units = CLASSES});
-    mpt_model_compile(m, &(mpt_compile_desc){
-        .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
-        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = 1},
-        .metrics = MPT_METRIC_ACCURACY});
-    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    return m;
+    return compiled_and_built(ctx, m, 1);
 }
 
 /* After a predict of small_graph: what its Add (layer 5) and Concatenate
@@ -1016,12 +1020,7 @@ static mpt_model *merge_graph(mpt_context *ctx, mpt_policy policy) {
     three[1] = b, three[2] = sum;
     three[0] = mpt_multiply(m, 3, three, &(mpt_merge_desc){.name = "mul3"});
     mpt_dense(m, three[0], &(mpt_dense_desc){.units = CLASSES, .name = "logits"});
-    mpt_model_compile(m, &(mpt_compile_desc){
-        .optimizer = {.type = MPT_OPTIMIZER_ADAM, .learning_rate = 0.01f},
-        .loss = {.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY, .from_logits = 1},
-        .metrics = MPT_METRIC_ACCURACY});
-    CHECK(mpt_model_build(m, 32) == MPT_OK, "build: %s", mpt_context_error(ctx));
-    return m;
+    return compiled_and_built(ctx, m, 1);
 }
 
 /* Layer `name`'s index, or −1. */

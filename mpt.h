@@ -392,14 +392,15 @@
        @impl-qgemm-kernels  its micro-kernels (VNNI/AVX-512/AVX2), tasks,
                           plan, mpt_qgemm
        @impl-quantize     the quantized model's operations from the float
-                          layers (a graph's: each reading its inputs' tensors),
-                          BatchNormalization folded (or a MUL and an ADD by
-                          its constants); where each tensor lives; the
-                          batch's work block
+                          layers, BatchNormalization folded (or a MUL and an
+                          ADD by its constants)
        @impl-quantize-transformer  Embedding, PositionEmbedding,
                           LayerNormalization, MultiHeadAttention as float32
                           operations (mpt__q_float_layer, mpt__q_attention);
                           the attention's int8 projections
+       @impl-quantize-graph  the graph's layers as operations, each reading
+                          its inputs' tensors; which pairs run as one; where
+                          each tensor lives; the batch's work block
        @impl-quantized-passes  a batch through them: float32, float16,
                           dynamic-range, int8; a graph's merges
        @impl-quantized-conv  the direct int8 Conv2D of several channels (its
@@ -34996,6 +34997,76 @@ static mpt_status mpt__q_append_float_layer(mpt_model *m, mpt__quantized *Q, con
     return MPT_OK;
 }
 
+/* Embedding, PositionEmbedding and LayerNormalization on n samples, by
+   the CPU backend's functions their float layers' forward passes call
+   (the same float32 bits). An id outside the table is refused, as the
+   float model refuses it, rather than read as zeros. LayerNormalization's
+   row means and inverse deviations, which backward would read, go to the
+   dynamic products' scratch. */
+static mpt_status mpt__q_float_layer(mpt_context *ctx, const mpt__qop *op, const void *x,
+                                     void *y, int64_t n, mpt__qwork *w) {
+    const int64_t D = op->info.depth;
+    int64_t k;
+    if (op->info.op == MPT_QOP_GATHER) {
+        const int32_t *ids = (const int32_t *)x;
+        for (k = 0; k < n * op->in_count; k++)
+            if (ids[k] < 0 || ids[k] >= op->info.out_channels)
+                return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantized model: Embedding "
+                                 "'%s' got id %d (sample %lld, position %lld), outside its "
+                                 "table: ids are 0..%lld", op->name, (int)ids[k],
+                                 (long long)(k / op->in_count), (long long)(k % op->in_count),
+                                 (long long)op->info.out_channels - 1);
+        mpt__cpu_gather_rows(ctx, MPT_FLOAT32, y, op->table, op->info.out_channels, D, ids,
+                             n * op->in_count);
+    } else if (op->info.op == MPT_QOP_POSITION_EMBEDDING) {
+        for (k = 0; k < n; k++) /* as the float model's copy_rows, a sample a row */
+            memcpy((float *)y + k * op->out_count, op->table, sizeof(float) * (size_t)op->out_count);
+    } else {
+        mpt_layernorm_args a;
+        memset(&a, 0, sizeof a);
+        a.dtype = MPT_FLOAT32;
+        a.cols = D;
+        a.rows = n * (op->in_count / D);
+        a.epsilon = op->info.epsilon;
+        a.x = x, a.y = y;
+        a.gamma = op->table, a.beta = op->beta;
+        a.mean = w->row_scale;                /* (batch · max_count) floats each */
+        a.inv_std = (float *)(void *)w->acc;
+        mpt__cpu_layernorm_forward(ctx, &a);
+    }
+    return MPT_OK;
+}
+
+/* Defined below, in @impl-quantized-direct. */
+static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, const void *x, int t);
+
+/* MultiHeadAttention's scaled dot product on n samples: its three inputs
+   (the query, key and value projections), the CPU backend's attention,
+   its workspace the cols buffer (mpt__q_plan sized it). */
+static void mpt__q_attention(mpt_context *ctx, const mpt__quantized *Q, int i, const void *x,
+                             void *y, int64_t n, const mpt__qwork *w) {
+    const mpt__qop *op = &Q->ops[i];
+    mpt_attention_args a = op->attention;
+    a.batch = n;
+    a.q = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
+    a.k = mpt__q_tensor_at(Q, w, x, op->in_t[1]);
+    a.v = mpt__q_tensor_at(Q, w, x, op->in_t[2]);
+    a.o = y;
+    a.workspace = w->cols;
+    mpt__cpu_attention_forward(ctx, &a);
+}
+
+/* =============================================================================
+   @impl-quantize-graph  the model's nodes as operations, and their plan
+   =============================================================================
+
+   Each layer of the graph, in order, becomes its operations (or none: a
+   reshape leaves its input's tensor), the model's inputs and outputs
+   their tensors; then the plan: which pairs run as one (a Conv2D with the
+   MaxPooling2D or the Add after it, per-channel chains), the slots that
+   hold each tensor while a later operation reads it, the batch's work
+   block. */
+
 /* Layer L (of node node = its index + 1) into operations, or into nothing:
    node_t[node] is then the tensor it leaves as it was. */
 /* A shared layer's later call: its operations named "<name>/call<k>" (as
@@ -35260,65 +35331,6 @@ static mpt_status mpt__q_plan(mpt_context *ctx, mpt__quantized *Q, int64_t in_co
     return MPT_OK;
 }
 
-
-/* Embedding, PositionEmbedding and LayerNormalization on n samples, by
-   the CPU backend's functions their float layers' forward passes call
-   (the same float32 bits). An id outside the table is refused, as the
-   float model refuses it, rather than read as zeros. LayerNormalization's
-   row means and inverse deviations, which backward would read, go to the
-   dynamic products' scratch. */
-static mpt_status mpt__q_float_layer(mpt_context *ctx, const mpt__qop *op, const void *x,
-                                     void *y, int64_t n, mpt__qwork *w) {
-    const int64_t D = op->info.depth;
-    int64_t k;
-    if (op->info.op == MPT_QOP_GATHER) {
-        const int32_t *ids = (const int32_t *)x;
-        for (k = 0; k < n * op->in_count; k++)
-            if (ids[k] < 0 || ids[k] >= op->info.out_channels)
-                return mpt__fail(ctx, MPT_ERR_INVALID_ARGUMENT, "quantized model: Embedding "
-                                 "'%s' got id %d (sample %lld, position %lld), outside its "
-                                 "table: ids are 0..%lld", op->name, (int)ids[k],
-                                 (long long)(k / op->in_count), (long long)(k % op->in_count),
-                                 (long long)op->info.out_channels - 1);
-        mpt__cpu_gather_rows(ctx, MPT_FLOAT32, y, op->table, op->info.out_channels, D, ids,
-                             n * op->in_count);
-    } else if (op->info.op == MPT_QOP_POSITION_EMBEDDING) {
-        for (k = 0; k < n; k++) /* as the float model's copy_rows, a sample a row */
-            memcpy((float *)y + k * op->out_count, op->table, sizeof(float) * (size_t)op->out_count);
-    } else {
-        mpt_layernorm_args a;
-        memset(&a, 0, sizeof a);
-        a.dtype = MPT_FLOAT32;
-        a.cols = D;
-        a.rows = n * (op->in_count / D);
-        a.epsilon = op->info.epsilon;
-        a.x = x, a.y = y;
-        a.gamma = op->table, a.beta = op->beta;
-        a.mean = w->row_scale;                /* (batch · max_count) floats each */
-        a.inv_std = (float *)(void *)w->acc;
-        mpt__cpu_layernorm_forward(ctx, &a);
-    }
-    return MPT_OK;
-}
-
-/* Defined below, in @impl-quantized-direct. */
-static void *mpt__q_tensor_at(const mpt__quantized *Q, const mpt__qwork *w, const void *x, int t);
-
-/* MultiHeadAttention's scaled dot product on n samples: its three inputs
-   (the query, key and value projections), the CPU backend's attention,
-   its workspace the cols buffer (mpt__q_plan sized it). */
-static void mpt__q_attention(mpt_context *ctx, const mpt__quantized *Q, int i, const void *x,
-                             void *y, int64_t n, const mpt__qwork *w) {
-    const mpt__qop *op = &Q->ops[i];
-    mpt_attention_args a = op->attention;
-    a.batch = n;
-    a.q = mpt__q_tensor_at(Q, w, x, op->in_t[0]);
-    a.k = mpt__q_tensor_at(Q, w, x, op->in_t[1]);
-    a.v = mpt__q_tensor_at(Q, w, x, op->in_t[2]);
-    a.o = y;
-    a.workspace = w->cols;
-    mpt__cpu_attention_forward(ctx, &a);
-}
 
 /* =============================================================================
    @impl-quantized-passes  one batch through the operations, in each mode

@@ -527,6 +527,41 @@ compile_results() {
     done
 }
 
+# tests/same_bits.c compiled as every test is (gcc -std=c99 -O2), in gcc's
+# GNU mode with -march=native and by clang with -march=native: the three
+# must print the same lines (the compilers' defaults fuse a product and a
+# sum where FMA exists; mpt.h asks them not to, and this shows it works).
+SAME_BITS_KINDS="iso gnu_native clang_native"
+same_bits_job() {
+    local d=$B/same_bits kind=$1 cc=$CC flags="-O2 -march=native"
+    case $kind in
+    iso) flags="-std=c99 -O2" ;;
+    clang_native) cc=clang ;;
+    esac
+    mkdir -p "$d" && rm -f "$d/$kind.out"
+    $cc $flags $WARN -I. tests/same_bits.c -o "$d/$kind" $LIBS >"$d/$kind.log" 2>&1 &&
+        "$d/$kind" >"$d/$kind.out" 2>>"$d/$kind.log"
+}
+
+same_bits_result() {
+    local d=$B/same_bits kind what="tests/same_bits.c: the same bits from gcc -std=c99, gcc's GNU mode -march=native and clang -march=native"
+    for kind in $SAME_BITS_KINDS; do
+        if [ "$(wc -l <"$d/$kind.out" 2>/dev/null)" != 9 ]; then
+            cat "$d/$kind.log"
+            record "$what" fail "the $kind build did not print its 9 lines (see $d/$kind.log)"
+            return
+        fi
+    done
+    for kind in $SAME_BITS_KINDS; do
+        if ! cmp -s "$d/iso.out" "$d/$kind.out"; then
+            diff "$d/iso.out" "$d/$kind.out"
+            record "$what" fail "the $kind build's bits differ (above)"
+            return
+        fi
+    done
+    record "$what" pass
+}
+
 # What ./build.sh builds (-O2 -g, warnings as errors, no sanitizers: gcc
 # warns of other things there than under them), checked here so that the
 # plain build keeps working.
@@ -1437,17 +1472,19 @@ run_check() {
     build_all_check
     readme_example_checks
     echo "build.sh: the fuzz harnesses, the GPU pack, mpt.h as C99, C11, C++17 and portable C," \
-        "nvcc, MPI ($(elapsed))"
+        "three compilers' bits, nvcc, MPI ($(elapsed))"
     compile_sources
     fuzz_build_jobs
     spawn timed gpu_pack_job
     for kind in c99 c11 portable cxx; do spawn timed compile_job $kind; done
+    for kind in $SAME_BITS_KINDS; do spawn timed same_bits_job $kind; done
     spawn timed cuda_compile_job
     spawn timed mpi_build_job cuda
     spawn timed mpi_build_job strategy
     wait
     fuzz_build_results
     compile_results
+    same_bits_result
     cuda_compile_result
     echo "build.sh: tests/test_cuda.c from the GPU pack ($(elapsed))"
     gpu_checks

@@ -3732,6 +3732,32 @@ extern int mpt_cuda_wgmma_ready(const void *impl);
                                IMPLEMENTATION
    ============================================================================
    ============================================================================ */
+
+/* Every product and the sum after it rounded twice, as written, whatever
+   the compiler's default: gcc's GNU modes (-ffp-contract=fast) and clang
+   (-ffp-contract=on, within an expression) would fuse them into one
+   rounding wherever the target has FMA (the AVX2/AVX-512 functions, and
+   all of the code under -march=native), so a build's bits would depend on
+   -std, the compiler and -march. The user's own code after this point is
+   left as the compiler would have it (MPT__CONTRACT_END, at the end).
+   Fused multiply-adds are written as such (_mm512_fmadd_ps, fmaf) where
+   meant. nvcc's device code rounds by its own helpers (@backend-shared). */
+#if (defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)) || \
+    defined(MPT_BACKEND_SHARED)
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#define MPT__CONTRACT_END _Pragma("GCC pop_options")
+#elif defined(__clang__) && !defined(__CUDACC__) && \
+    __clang_major__ >= (defined(__apple_build_version__) ? 13 : 11)
+#pragma float_control(push)
+#pragma clang fp contract(off)
+#define MPT__CONTRACT_END _Pragma("float_control(pop)")
+#else
+#define MPT__CONTRACT_END
+#endif
+#endif
+
 #if (defined(MPT_IMPLEMENTATION) && !defined(MPT_NO_IMPLEMENTATION)) || \
     defined(MPT_BACKEND_SHARED)
 #ifndef MPT__BACKEND_SHARED_DONE
@@ -3899,26 +3925,15 @@ static inline MPT__HD double mpt__dmul_rn(double a, double b) {
 #define MPT__X86 1
 #include <immintrin.h>
 /* Functions with these attributes may use the named instructions; they are
-   only ever called after a run-time CPUID check. With fma among them, gcc
-   in its GNU modes (-ffp-contract=fast, its default there) would fuse a
-   product and the sum after it into one rounding where the code rounds
-   twice, so a build's bits would depend on -std: MPT__NO_CONTRACT asks
-   for what ISO C gives (-ffp-contract=off), in every mode. Fused
-   multiply-adds are written as such (_mm512_fmadd_ps) where meant. */
-#if defined(__GNUC__) && !defined(__clang__)
-#define MPT__NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#else
-#define MPT__NO_CONTRACT
-#endif
-#define MPT__TARGET_AVX2 __attribute__((target("avx2,fma,f16c"))) MPT__NO_CONTRACT
+   only ever called after a run-time CPUID check (and, FMA among them,
+   never contract: see MPT__CONTRACT_END). */
+#define MPT__TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define MPT__TARGET_AVX512 \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c"))) MPT__NO_CONTRACT
-#define MPT__TARGET_AVX512_BF16                                                           \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c"))) \
-    MPT__NO_CONTRACT
-#define MPT__TARGET_AVX512_VBMI                                                           \
-    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,fma,f16c"))) \
-    MPT__NO_CONTRACT
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
+#define MPT__TARGET_AVX512_BF16 \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")))
+#define MPT__TARGET_AVX512_VBMI \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,fma,f16c")))
 /* Forced inline: one generic loop becomes a kernel per dtype pair (or per
    case), its switches folded away at compile time. */
 #define MPT__ALWAYS_INLINE __attribute__((always_inline)) inline
@@ -33048,7 +33063,7 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
 #if MPT__X86
 #define MPT__TARGET_AVX512_VNNI                                                           \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c"))) \
-    MPT__NO_CONTRACT
+   
 #endif
 
 /* kg: depth groups; a: packed A panel (kg × MR groups); b: packed B panel
@@ -44863,6 +44878,8 @@ static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
 }
 
 #endif /* MPT__BACKEND_SHARED_CUDA_DONE */
+MPT__CONTRACT_END
+#undef MPT__CONTRACT_END
 #endif /* the implementation, or MPT_BACKEND_SHARED */
 
 /*

@@ -60,6 +60,10 @@
                          (default: 128 once its tiles fill the SMs).
        MPT_CUDA_INDEX64  "1": im2col/col2im index in 64 bits even below
                          2^31 elements (the same results; for tests).
+       MPT_CUDA_CONV     "im2col": a CUDA context's Conv2D runs im2col +
+                         GEMM + col2im even where its implicit GEMMs
+                         could (default "implicit"; to tell their results
+                         apart).
        MPT_CUDA_GRAPHS   "0": fit queues every step's kernels instead of
                          recording the step once and replaying it.
 
@@ -197,7 +201,9 @@
                             stride 1 by Winograd's 2×2 or 4×4 tiles
                             (mpt__wino_tile_for; mpt__wino, mpt__wkg),
                             others by direct tiles; im2col + GEMM where
-                            neither takes the case (and on CUDA)
+                            neither takes the case; on CUDA implicit GEMMs
+                            (mpt__cuda_conv_direct, mpt__conv_gather_at)
+                            or im2col + GEMM
        Conv2D + pooling     a MaxPooling2D after a Conv2D runs inside it on
                             the CPU, chunk by chunk: mpt__conv_pool_plan,
                             mpt__conv2d_pool_forward/_backward (@impl-pooling;
@@ -430,8 +436,9 @@
        @impl-replicas     the replicas' step: weights copied, gradients summed
        @impl-cpu-backend  the CPU's implementation of the @backend table
        @backend-shared-cuda  the CUDA GEMMs' fragment places, tiles, split-K
-                          and engine choice, tested on the host (internal;
-                          compiled with @backend-shared)
+                          and engine choice, Conv2D's implicit-GEMM gathers,
+                          tested on the host (internal; compiled with
+                          @backend-shared)
 
    CONVENTIONS
        Public names start with mpt_, private ones with mpt__, macros and enum
@@ -5917,9 +5924,10 @@ static void mpt__acc_mul(int64_t *acc, int64_t a, int64_t b) {
    after chunk (beta = 1), so results do not depend on the thread count.
    A 1×1 kernel with stride 1 needs no im2col: the image, seen as
    (B·H·W) × C, is its own cols. A backend with a direct convolution (conv_direct: the CPU's with
-   AVX-512) runs the forward product, the input gradient and the kernel
-   gradient without cols, dcols or col2im where it takes the case (see
-   mpt__cpu_conv_direct for which). */
+   AVX-512, CUDA's implicit GEMMs) runs the forward product, the input
+   gradient and the kernel gradient without cols, dcols or col2im where it
+   takes the case (see mpt__cpu_conv_direct and mpt_cuda.cu's @cuda-conv
+   for which). */
 
 #ifndef MPT__CONV_COLS_BUDGET
 #define MPT__CONV_COLS_BUDGET ((int64_t)1 << 20) /* elements of cols per chunk */
@@ -44571,7 +44579,8 @@ static const mpt_backend *mpt__cpu_backend(void) {
 #define MPT__BACKEND_SHARED_CUDA_DONE
 
 /* =============================================================================
-   @backend-shared-cuda: the CUDA GEMMs' rules: fragment places, tiles, split-K, engine choice (internal)
+   @backend-shared-cuda: the CUDA GEMMs' rules: fragment places, tiles, split-K, engine choice,
+   Conv2D's implicit-GEMM gathers (internal)
    ============================================================================= */
 
 /* ---- the CUDA int8 GEMM's fragments -------------------------------------
@@ -44875,6 +44884,149 @@ static inline mpt__fastdiv mpt__fastdiv_make(uint32_t d) {
 
 static inline MPT__HD uint32_t mpt__fastdiv_div(mpt__fastdiv f, uint32_t n) {
     return (uint32_t)((((uint64_t)n * f.mul >> 32) + n) >> f.shift);
+}
+
+
+/* ---- Conv2D as implicit GEMMs (mpt_cuda.cu's conv_direct) ----------------
+   mpt_cuda.cu runs Conv2D's three products (@impl-conv2d) through its
+   tensor-core GEMM with no cols or dcols in memory: the kernel's tile
+   loader reads each 16-byte chunk (8 values of 16 bits) of an operand
+   from where the matrix the product needs has it in the stored tensor,
+   or zero-fills it. Each matrix as the loader sees it stored (rows, each
+   a run of columns; a chunk is 8 columns of one row):
+     MPT__CONV_GATHER_COLS    im2col's cols, (n·OH·OW) × (kh·kw·C): row
+                              (b, oy, ox), column (i, j, c) holds
+                              x[b, oy·sh − top + i, ox·sw − left + j, c],
+                              zero outside the image. The forward's A
+                              (y = cols · kernel), and the kernel
+                              gradient's A = colsᵀ, an operand stored
+                              transposed (dkernel = colsᵀ · dz).
+     MPT__CONV_GATHER_DZ      the input gradient's A, (n·H·W) × (kh·kw·F):
+                              row (b, y, x), column (i, j, f) holds
+                              dz[b, oy, ox, f] for the output pixel whose
+                              tap (i, j) reads (y, x), oy·sh − top + i = y
+                              and ox·sw − left + j = x; zero where no
+                              output pixel's tap does (past the output's
+                              edge, or between strides).
+     MPT__CONV_GATHER_KERNEL  the input gradient's B, stored transposed,
+                              C × (kh·kw·F): row c, column (i, j, f) holds
+                              kernel[i, j, c, f] (the layer's (kh, kw, C, F)).
+   so that dx = A_dz · B_kernelᵀ sums, for each pixel, every tap and filter
+   that read it: col2im's sums without dcols. A chunk never straddles two
+   taps when C and F are multiples of 8; its 8 values then lie side by
+   side in the tensor, one 16-byte copy (mpt__conv_gather_fits). The
+   divisions are mpt__fastdiv's, so every index must stay below 2^31. */
+enum {
+    MPT__CONV_GATHER_COLS = 1,
+    MPT__CONV_GATHER_DZ = 2,
+    MPT__CONV_GATHER_KERNEL = 3
+};
+
+/* A window's sizes and the divisors of its index arithmetic, made on the
+   host once per call and passed to the kernel by value. */
+typedef struct mpt__conv_gather {
+    int64_t h, w, c, f, oh, ow, kw, sh, sw, top, left;
+    mpt__fastdiv by_c, by_f, by_kw, by_w, by_h, by_ow, by_oh, by_sh, by_sw;
+} mpt__conv_gather;
+
+/* a · b ≤ limit for a, b ≥ 0, without overflow. */
+static inline int mpt__conv_gather_at_most(int64_t a, int64_t b, int64_t limit) {
+    return b == 0 || a <= limit / b;
+}
+
+/* Whether a window with n samples and f filters can be gathered: C and F
+   multiples of 8 (a chunk within one tap), and every tensor and matrix
+   dimension below 2^31 elements (the 32-bit divisions). */
+static inline int mpt__conv_gather_fits(const mpt_window *g, int64_t n, int64_t f) {
+    const int64_t limit = ((int64_t)1 << 31) - 1;
+    const int64_t most = g->c > f ? g->c : f;
+    if (n < 1 || f < 1 || g->c < 1 || g->c % 8 != 0 || f % 8 != 0) return 0;
+    if (g->oh < 1 || g->ow < 1 || g->kh < 1 || g->kw < 1 || g->sh < 1 || g->sw < 1) return 0;
+    /* x and dx; dz and y (OH ≤ H, OW ≤ W, but checked alone); the kernel */
+    return mpt__conv_gather_at_most(n * g->h, g->w, limit) &&
+           mpt__conv_gather_at_most(n * g->h * g->w, most, limit) &&
+           mpt__conv_gather_at_most(n * g->oh * g->ow, most, limit) &&
+           mpt__conv_gather_at_most(g->kh * g->kw, most, limit) &&
+           mpt__conv_gather_at_most(g->kh * g->kw * most, most, limit) &&
+           g->h + g->top + g->sh < limit && g->w + g->left + g->sw < limit;
+}
+
+static inline mpt__conv_gather mpt__conv_gather_make(const mpt_window *g, int64_t f) {
+    mpt__conv_gather q;
+    q.h = g->h, q.w = g->w, q.c = g->c, q.f = f, q.oh = g->oh, q.ow = g->ow;
+    q.kw = g->kw, q.sh = g->sh, q.sw = g->sw, q.top = g->top, q.left = g->left;
+    q.by_c = mpt__fastdiv_make((uint32_t)g->c);
+    q.by_f = mpt__fastdiv_make((uint32_t)f);
+    q.by_kw = mpt__fastdiv_make((uint32_t)g->kw);
+    q.by_w = mpt__fastdiv_make((uint32_t)g->w);
+    q.by_h = mpt__fastdiv_make((uint32_t)g->h);
+    q.by_ow = mpt__fastdiv_make((uint32_t)g->ow);
+    q.by_oh = mpt__fastdiv_make((uint32_t)g->oh);
+    q.by_sh = mpt__fastdiv_make((uint32_t)g->sh);
+    q.by_sw = mpt__fastdiv_make((uint32_t)g->sw);
+    return q;
+}
+
+/* t / by, the remainder in *rest (0 ≤ t < 2^32). */
+static inline MPT__HD int64_t mpt__conv_gather_split(mpt__fastdiv by, int64_t t, int64_t *rest) {
+    const int64_t q = (int64_t)mpt__fastdiv_div(by, (uint32_t)t);
+    *rest = t - q * (int64_t)by.d;
+    return q;
+}
+
+/* x's element where cols' chunk at (row, col) starts, or -1 (zeros). */
+static inline MPT__HD int64_t mpt__conv_gather_cols(const mpt__conv_gather *q, int64_t row,
+                                                    int64_t col) {
+    int64_t c, j, ox, oy;
+    const int64_t tap = mpt__conv_gather_split(q->by_c, col, &c);
+    const int64_t i = mpt__conv_gather_split(q->by_kw, tap, &j);
+    const int64_t pixel = mpt__conv_gather_split(q->by_ow, row, &ox);
+    const int64_t b = mpt__conv_gather_split(q->by_oh, pixel, &oy);
+    const int64_t y = oy * q->sh - q->top + i, x = ox * q->sw - q->left + j;
+    if (y < 0 || y >= q->h || x < 0 || x >= q->w) return -1;
+    return ((b * q->h + y) * q->w + x) * q->c + c;
+}
+
+/* The output position o (of `out`) whose tap k reads input position p:
+   o·s − pad + k = p; -1 when none does. */
+static inline MPT__HD int64_t mpt__conv_gather_reader(int64_t p, int64_t k, int64_t pad,
+                                                      mpt__fastdiv by_s, int64_t out) {
+    int64_t rest = 0;
+    const int64_t t = p + pad - k, o = t < 0 ? -1 : mpt__conv_gather_split(by_s, t, &rest);
+    return o < 0 || rest != 0 || o >= out ? -1 : o;
+}
+
+/* dz's element where the input gradient's A has the chunk at (row, col),
+   or -1 (zeros). */
+static inline MPT__HD int64_t mpt__conv_gather_dz(const mpt__conv_gather *q, int64_t row,
+                                                  int64_t col) {
+    int64_t f, j, x, y;
+    const int64_t tap = mpt__conv_gather_split(q->by_f, col, &f);
+    const int64_t i = mpt__conv_gather_split(q->by_kw, tap, &j);
+    const int64_t pixel = mpt__conv_gather_split(q->by_w, row, &x);
+    const int64_t b = mpt__conv_gather_split(q->by_h, pixel, &y);
+    const int64_t oy = mpt__conv_gather_reader(y, i, q->top, q->by_sh, q->oh);
+    const int64_t ox = mpt__conv_gather_reader(x, j, q->left, q->by_sw, q->ow);
+    if (oy < 0 || ox < 0) return -1;
+    return ((b * q->oh + oy) * q->ow + ox) * q->f + f;
+}
+
+/* The kernel's element where the input gradient's B (stored transposed)
+   has the chunk at (row c, col (i, j, f)); never zero. */
+static inline MPT__HD int64_t mpt__conv_gather_kernel(const mpt__conv_gather *q, int64_t row,
+                                                      int64_t col) {
+    int64_t f;
+    const int64_t tap = mpt__conv_gather_split(q->by_f, col, &f);
+    return (tap * q->c + row) * q->f + f;
+}
+
+/* The element of the stored tensor where matrix `kind`'s chunk at (row,
+   col) starts (col a multiple of 8), or -1: a chunk of zeros. */
+static inline MPT__HD int64_t mpt__conv_gather_at(const mpt__conv_gather *q, int kind,
+                                                  int64_t row, int64_t col) {
+    if (kind == MPT__CONV_GATHER_COLS) return mpt__conv_gather_cols(q, row, col);
+    if (kind == MPT__CONV_GATHER_DZ) return mpt__conv_gather_dz(q, row, col);
+    return mpt__conv_gather_kernel(q, row, col);
 }
 
 #endif /* MPT__BACKEND_SHARED_CUDA_DONE */

@@ -53,6 +53,9 @@
                           MultiHeadAttention's attention, Dropout (mpt.h's
                           @impl-activations and the layers' sections,
                           @impl-dense .. @impl-attention)
+         @cuda-conv       Conv2D as implicit GEMMs (conv_direct): the
+                          tensor-core kernel reading its operands from x,
+                          dz and the kernel by mpt.h's gather rule
        @cuda-training     the loss with its metrics, gradient statistics, the
                           fused optimizer update, loss scaling (mpt.h's
                           @impl-losses, @impl-optimizers)
@@ -104,6 +107,7 @@ typedef struct mpt__cuda {
     struct mpt__gemm_cache *gemm_cache; /* the GEMM part's                  */
     int index64;                /* $MPT_CUDA_INDEX64=1: im2col/col2im index in 64 bits */
     int allow_tf32;             /* $MPT_ALLOW_TF32=1: cuBLASLt's float32 products in TF32 */
+    int conv_implicit;          /* conv_direct runs (not under $MPT_CUDA_CONV=im2col) */
     int64_t used[MPT_MEMORY_COUNT_];    /* bytes allocated per category     */
     int64_t peak[MPT_MEMORY_COUNT_];
     int64_t limit;                      /* 0: none                          */
@@ -663,6 +667,32 @@ static __device__ __forceinline__ void mpt__cuda_gemm_load_tile(uint16_t *smem,
     }
 }
 
+/* The same tile of one of Conv2D's matrices (mpt__conv_gather_at's
+   KIND, mpt.h @backend-shared-cuda), stored nowhere: each 16-byte chunk
+   is copied from where the rule finds it in the tensor g, or zero-filled
+   where the rule gives -1 or the chunk lies past the matrix. Needs cols a
+   multiple of 8 and g 16-byte aligned (mpt__conv_gather_fits). */
+template <int ROWS, int COLS, int PAD, int THREADS, int KIND>
+static __device__ __forceinline__ void mpt__cuda_gemm_gather_tile(uint16_t *smem,
+                                                                  const uint16_t *g,
+                                                                  const mpt__conv_gather &q,
+                                                                  int64_t row0, int64_t col0,
+                                                                  int64_t rows, int64_t cols,
+                                                                  int tid) {
+    constexpr int CHUNKS_PER_ROW = COLS / 8, CHUNKS = ROWS * CHUNKS_PER_ROW;
+    static_assert(CHUNKS % THREADS == 0, "every thread copies the same number of chunks");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; i++) {
+        const int chunk = tid + i * THREADS;
+        const int r = chunk / CHUNKS_PER_ROW, cc = (chunk % CHUNKS_PER_ROW) * 8;
+        const int64_t gr = row0 + r, gc = col0 + cc;
+        const int64_t at = gr < rows && gc < cols ? mpt__conv_gather_at(&q, KIND, gr, gc) : -1;
+        /* nothing to read: a valid address all the same (as load_tile's) */
+        mpt__cuda_gemm_cp_async(smem + r * (COLS + PAD) + cc, at >= 0 ? g + at : g,
+                                at >= 0 ? 16 : 0);
+    }
+}
+
 /* The A fragment of one 16×16 mma tile (rows m, depths kk..kk+15) as
    mma.m16n8k16 wants it: a0 = rows 0-7 × k 0-7, a1 = rows 8-15 × k 0-7,
    a2 = rows 0-7 × k 8-15, a3 = rows 8-15 × k 8-15.
@@ -699,20 +729,68 @@ static __device__ __forceinline__ void mpt__cuda_gemm_frag_b(uint32_t r[4], cons
     }
 }
 
+/* What the kernel's operands are: stored matrices (every GEMM), or
+   Conv2D's (@cuda-conv), whose A (and, for the input gradient, B) are
+   gathered from the tensors by mpt.h's rule. */
+enum {
+    MPT__CUDA_CONV_NONE = 0,
+    MPT__CUDA_CONV_FORWARD = 1,     /* A = cols; B the kernel, stored     */
+    MPT__CUDA_CONV_INPUT_GRAD = 2,  /* A from dz; B the kernel, gathered */
+    MPT__CUDA_CONV_KERNEL_GRAD = 3  /* A = colsᵀ; B dz, stored            */
+};
+
+/* A Conv2D product's arguments: the GEMM's, and the rule's window. A
+   type of its own, so that the plain GEMMs' kernels keep theirs. */
+struct mpt__cuda_conv_gemm_args : mpt__cuda_gemm_args {
+    mpt__conv_gather gather;
+};
+template <int CONV>
+using mpt__cuda_tc_args =
+    typename std::conditional<CONV == MPT__CUDA_CONV_NONE, mpt__cuda_gemm_args,
+                              mpt__cuda_conv_gemm_args>::type;
+__host__ __device__ static constexpr int mpt__cuda_conv_a_kind(int conv) {
+    return conv == MPT__CUDA_CONV_NONE         ? 0
+           : conv == MPT__CUDA_CONV_INPUT_GRAD ? MPT__CONV_GATHER_DZ
+                                               : MPT__CONV_GATHER_COLS;
+}
+__host__ __device__ static constexpr int mpt__cuda_conv_b_kind(int conv) {
+    return conv == MPT__CUDA_CONV_INPUT_GRAD ? MPT__CONV_GATHER_KERNEL : 0;
+}
+
 /* One stage: the A and B tiles for depth k0. A is stored M×K (K contiguous)
-   or, transposed, K×M; B is stored K×N or, transposed, N×K. */
-template <class TILE, bool TA, bool TB, bool ASYNC>
-static __device__ __forceinline__ void mpt__cuda_gemm_load_stage(const mpt__cuda_gemm_args &p,
+   or, transposed, K×M; B is stored K×N or, transposed, N×K. An operand
+   Conv2D gathers (CONV) is read through its rule in the same layout. */
+template <class TILE, bool TA, bool TB, bool ASYNC, int CONV>
+static __device__ __forceinline__ void mpt__cuda_gemm_load_stage(const mpt__cuda_tc_args<CONV> &p,
                                                                  uint16_t *sa, uint16_t *sb,
                                                                  int64_t m0, int64_t n0,
                                                                  int64_t k0, int tid) {
     const uint16_t *a = (const uint16_t *)p.a, *b = (const uint16_t *)p.b;
     constexpr int BM = TILE::BM, BN = TILE::BN, BK = TILE::BK, PAD = TILE::PAD;
     constexpr int TH = TILE::THREADS;
-    if (!TA) mpt__cuda_gemm_load_tile<BM, BK, PAD, TH, ASYNC>(sa, a, p.lda, m0, k0, p.m, p.k, tid);
-    else mpt__cuda_gemm_load_tile<BK, BM, PAD, TH, ASYNC>(sa, a, p.lda, k0, m0, p.k, p.m, tid);
-    if (TB) mpt__cuda_gemm_load_tile<BN, BK, PAD, TH, ASYNC>(sb, b, p.ldb, n0, k0, p.n, p.k, tid);
-    else mpt__cuda_gemm_load_tile<BK, BN, PAD, TH, ASYNC>(sb, b, p.ldb, k0, n0, p.k, p.n, tid);
+    constexpr int A_KIND = mpt__cuda_conv_a_kind(CONV), B_KIND = mpt__cuda_conv_b_kind(CONV);
+    if constexpr (A_KIND != 0) {
+        static_assert(ASYNC, "a gathered operand is read by cp.async");
+        if (!TA)
+            mpt__cuda_gemm_gather_tile<BM, BK, PAD, TH, A_KIND>(sa, a, p.gather, m0, k0, p.m,
+                                                                p.k, tid);
+        else
+            mpt__cuda_gemm_gather_tile<BK, BM, PAD, TH, A_KIND>(sa, a, p.gather, k0, m0, p.k,
+                                                                p.m, tid);
+    } else {
+        if (!TA)
+            mpt__cuda_gemm_load_tile<BM, BK, PAD, TH, ASYNC>(sa, a, p.lda, m0, k0, p.m, p.k, tid);
+        else mpt__cuda_gemm_load_tile<BK, BM, PAD, TH, ASYNC>(sa, a, p.lda, k0, m0, p.k, p.m, tid);
+    }
+    if constexpr (B_KIND != 0) {
+        static_assert(TB, "the gathered kernel is B stored transposed");
+        mpt__cuda_gemm_gather_tile<BN, BK, PAD, TH, B_KIND>(sb, b, p.gather, n0, k0, p.n, p.k,
+                                                            tid);
+    } else {
+        if (TB)
+            mpt__cuda_gemm_load_tile<BN, BK, PAD, TH, ASYNC>(sb, b, p.ldb, n0, k0, p.n, p.k, tid);
+        else mpt__cuda_gemm_load_tile<BK, BN, PAD, TH, ASYNC>(sb, b, p.ldb, k0, n0, p.k, p.n, tid);
+    }
 }
 
 /* The ring's bytes (and, after the loop, the warps' staging blocks). */
@@ -739,10 +817,12 @@ __host__ __device__ static constexpr int mpt__cuda_gemm_tc_smem() {
    warp (mpt__cuda_gemm_finish_staged), applies alpha, beta·C, bias and
    the activation and stores C (float32 or rounded once to 16 bits).
    Split-K: block row blockIdx.y walks only its slice of K (whole BK
-   steps) and stores its float32 sums for the second pass instead. */
-template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC>
+   steps) and stores its float32 sums for the second pass instead.
+   CONV: a Conv2D product whose operands are gathered (@cuda-conv); only
+   the stage loads differ. */
+template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC, int CONV = MPT__CUDA_CONV_NONE>
 static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
-    mpt__cuda_gemm_tc_kernel(mpt__cuda_gemm_args p) {
+    mpt__cuda_gemm_tc_kernel(mpt__cuda_tc_args<CONV> p) {
 #if MPT__CUDA_GEMM_MMA
     constexpr int BM = TILE::BM, BN = TILE::BN, BK = TILE::BK, STAGES = TILE::STAGES;
     constexpr int MT = TILE::MT, NT = TILE::NT;
@@ -768,8 +848,8 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
         if (s < ktiles)
-            mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC>(p, sa + s * A_ELEMS, sb + s * B_ELEMS,
-                                                           m0, n0, (kt0 + s) * BK, tid);
+            mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC, CONV>(
+                p, sa + s * A_ELEMS, sb + s * B_ELEMS, m0, n0, (kt0 + s) * BK, tid);
         mpt__cuda_gemm_cp_commit();
     }
     for (int64_t t = 0; t < ktiles; t++) {
@@ -781,8 +861,8 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
         const int64_t next = t + STAGES - 1;
         if (next < ktiles) {
             const int s = (int)(next % STAGES);
-            mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC>(p, sa + s * A_ELEMS, sb + s * B_ELEMS,
-                                                           m0, n0, (kt0 + next) * BK, tid);
+            mpt__cuda_gemm_load_stage<TILE, TA, TB, ASYNC, CONV>(
+                p, sa + s * A_ELEMS, sb + s * B_ELEMS, m0, n0, (kt0 + next) * BK, tid);
         }
         mpt__cuda_gemm_cp_commit();
 
@@ -825,16 +905,16 @@ static __global__ void __launch_bounds__(TILE::THREADS, TILE::MIN_BLOCKS)
 
 /* Launches one instantiation, or (prepare) raises its shared-memory limit,
    which the 4-stage tiles need above the default 48 KiB. */
-template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC>
-static cudaError_t mpt__cuda_gemm_tc_go(const mpt__cuda_gemm_args *p, cudaStream_t stream,
+template <class TILE, bool BF16, bool TA, bool TB, bool ASYNC, int CONV = MPT__CUDA_CONV_NONE>
+static cudaError_t mpt__cuda_gemm_tc_go(const mpt__cuda_tc_args<CONV> *p, cudaStream_t stream,
                                         int prepare) {
     constexpr int smem = mpt__cuda_gemm_tc_smem<TILE, TA, TB>();
     if (prepare)
-        return cudaFuncSetAttribute(mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC>,
+        return cudaFuncSetAttribute(mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC, CONV>,
                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     const int64_t tiles = ((p->m + TILE::BM - 1) / TILE::BM) * ((p->n + TILE::BN - 1) / TILE::BN);
     const int64_t slices = (p->k + p->depth - 1) / p->depth;
-    mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC>
+    mpt__cuda_gemm_tc_kernel<TILE, BF16, TA, TB, ASYNC, CONV>
         <<<dim3((unsigned)tiles, (unsigned)slices), TILE::THREADS, smem, stream>>>(*p);
     return cudaSuccess;
 }
@@ -2118,8 +2198,14 @@ static void mpt__cuda_gemm_destroy(mpt__cuda *c) {
     c->lt = NULL;
 }
 
+/* Defined below, in @cuda-conv: Conv2D's instantiations of the kernel. */
+static cudaError_t mpt__cuda_conv_dispatch(int big, int bf16, int conv,
+                                           const mpt__cuda_conv_gemm_args *p, cudaStream_t stream,
+                                           int prepare);
+
 /* Raises the shared-memory limit of every tensor-core kernel (host setup,
-   so that launches inside a graph capture need nothing more). */
+   so that launches inside a graph capture need nothing more), Conv2D's
+   too: they share the tiles' configurations, so they fail alike. */
 static void mpt__cuda_gemm_prepare_kernels(struct mpt__gemm_cache *cache) {
     for (int variant = 0; variant < 3; variant++)
         for (int combo = 0; combo < 8; combo++) {
@@ -2131,6 +2217,14 @@ static void mpt__cuda_gemm_prepare_kernels(struct mpt__gemm_cache *cache) {
                 else cache->tensor_cores = 0;
             }
         }
+    for (int big = 0; big < 2; big++)
+        for (int bf16 = 0; bf16 < 2; bf16++)
+            for (int conv = MPT__CUDA_CONV_FORWARD; conv <= MPT__CUDA_CONV_KERNEL_GRAD; conv++)
+                if (mpt__cuda_conv_dispatch(big, bf16, conv, NULL, 0, 1) != cudaSuccess) {
+                    (void)cudaGetLastError();
+                    if (big) cache->big_tiles = 0;
+                    else cache->tensor_cores = 0;
+                }
 }
 
 static mpt_status mpt__cuda_gemm_init_parts(mpt__cuda *c) {
@@ -2299,7 +2393,10 @@ static void mpt__cuda_column_sums(void *impl, const float *dz, int64_t rows, int
 
 /* The CUDA backend's layer kernels: dtype conversion, activations and their
    gradients, im2col/col2im, pooling, BatchNormalization, LayerNormalization,
-   MultiHeadAttention's scaled dot-product attention and Dropout.
+   MultiHeadAttention's scaled dot-product attention and Dropout; and
+   Conv2D without im2col where it can (@cuda-conv: implicit GEMMs, no cols
+   or float32 dcols in memory; their address rule is mpt.h's
+   mpt__conv_gather_at).
 
    Each follows the CPU code in mpt.h (same formulas, same rounding points:
    float32 arithmetic, one rounding to the storage dtype at the end).
@@ -2887,6 +2984,148 @@ static void mpt__cuda_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, c
         else
             mpt__cuda_col2im_typed<T, 1>(c, g, dcols, n, (T *)dx);
     });
+}
+
+/* -----------------------------------------------------------------------------
+   @cuda-conv  Conv2D as implicit GEMMs (mpt_backend.conv_direct)
+   -----------------------------------------------------------------------------
+   im2col + GEMM + col2im moves cols (dtype) through memory and, for the
+   input gradient, dcols in float32: about 0.4 GB per 4 GFLOP at batch
+   128. Here the tensor-core GEMM (@cuda-gemm-mma) reads its operands'
+   16-byte chunks straight from x, dz and the kernel instead, where mpt.h's
+   rule finds them (mpt__conv_gather_at, @backend-shared-cuda, tested on
+   the host by tests/test_cuda_rules.c); its ring, mma.sync, epilogue and
+   split-K are the GEMM's own:
+     forward      y (n·OH·OW, F) = act(cols · kernel + bias) in dtype;
+     input_grad   dx (n·H·W, C) = A_dz · kernelᵀ (both gathered), beta 0,
+                  in dtype: one rounding of a float32 sum, as col2im's,
+                  whose sums run in another order (not its bits);
+     kernel_grad  dkernel (kh·kw·C, F) (+)= colsᵀ · dz in float32, split
+                  along the pixels as a GEMM of that shape is
+                  (mpt__gemm_split_k: slices added in a fixed order).
+   Declined (0, nothing done; the layer runs im2col): float32 (the kernel
+   is 16-bit), C or F not a multiple of 8 (a first layer's 1 or 3
+   channels), tensors not 16-byte aligned, indices past 2^31, a 1×1
+   window of stride 1 that pads nothing (a plain GEMM already), the
+   kernel gradient from out and dy (dz NULL: the layer makes dz and calls
+   again), an activation that is not elementwise, no tensor cores, and
+   every call under $MPT_CUDA_CONV=im2col (to tell this path's failures
+   from the rest). No workspace: split-K's partials are the GEMM's. */
+
+/* One instantiation of the tensor-core kernel for direction CONV (A and
+   B transposed as that product stores them), or (prepare) its
+   shared-memory limit raised. */
+template <class TILE, bool BF16>
+static cudaError_t mpt__cuda_conv_go(int conv, const mpt__cuda_conv_gemm_args *p,
+                                     cudaStream_t stream, int prepare) {
+    switch (conv) {
+    case MPT__CUDA_CONV_FORWARD:
+        return mpt__cuda_gemm_tc_go<TILE, BF16, false, false, true, MPT__CUDA_CONV_FORWARD>(
+            p, stream, prepare);
+    case MPT__CUDA_CONV_INPUT_GRAD:
+        return mpt__cuda_gemm_tc_go<TILE, BF16, false, true, true, MPT__CUDA_CONV_INPUT_GRAD>(
+            p, stream, prepare);
+    default:
+        return mpt__cuda_gemm_tc_go<TILE, BF16, true, false, true, MPT__CUDA_CONV_KERNEL_GRAD>(
+            p, stream, prepare);
+    }
+}
+
+static cudaError_t mpt__cuda_conv_dispatch(int big, int bf16, int conv,
+                                           const mpt__cuda_conv_gemm_args *p, cudaStream_t stream,
+                                           int prepare) {
+    typedef mpt__cuda_gemm_tile_big big_tile;
+    typedef mpt__cuda_gemm_tile_small small_tile;
+    if (big)
+        return bf16 ? mpt__cuda_conv_go<big_tile, true>(conv, p, stream, prepare)
+                    : mpt__cuda_conv_go<big_tile, false>(conv, p, stream, prepare);
+    return bf16 ? mpt__cuda_conv_go<small_tile, true>(conv, p, stream, prepare)
+                : mpt__cuda_conv_go<small_tile, false>(conv, p, stream, prepare);
+}
+
+/* Whether conv_direct takes a (the list above). */
+static bool mpt__cuda_conv_takes(const mpt__cuda *c, const mpt_conv_args *a) {
+    const mpt_window *g = a->g;
+    const bool identity = g->kh == 1 && g->kw == 1 && g->sh == 1 && g->sw == 1 &&
+                          g->oh == g->h && g->ow == g->w;
+    if (!c->conv_implicit || !c->gemm_cache || !c->gemm_cache->tensor_cores) return false;
+    if (a->dtype != MPT_FLOAT16 && a->dtype != MPT_BFLOAT16) return false;
+    if (identity || !mpt__conv_gather_fits(g, a->n, a->f)) return false;
+    if (a->kernel_grad)
+        return a->dz && a->dkernel && mpt__cuda_layers_aligned(a->x, 16) &&
+               mpt__cuda_layers_aligned(a->dz, 16);
+    if (!a->input_grad && (mpt__activation_keeps_z(a->act) || a->act == MPT_ACT_SOFTMAX ||
+                           a->act < 0 || a->act >= MPT_ACT_COUNT_))
+        return false;
+    return mpt__cuda_layers_aligned(a->x, 16) && mpt__cuda_layers_aligned(a->kernel, 16);
+}
+
+/* The product a asks for as the GEMM it is (mpt_gemm_desc's fields: the
+   shape, B's and C's pointers and leading dimensions, the epilogue); A
+   and, for the input gradient, B are read by the gather, not by lda/ldb.
+   *conv: the kernel's direction; *c_dtype: C's. */
+static mpt_gemm_desc mpt__cuda_conv_gemm(const mpt_conv_args *a, int *conv, mpt_dtype *c_dtype) {
+    const mpt_window *g = a->g;
+    const int64_t taps = g->kh * g->kw, pixels = a->n * g->oh * g->ow;
+    mpt_gemm_desc d;
+    memset(&d, 0, sizeof d);
+    d.ab_dtype = a->dtype;
+    d.a = a->x; /* the forward's x, the input gradient's dz, the kernel gradient's x */
+    if (a->kernel_grad) { /* dkernel (taps·C, F) (+)= colsᵀ · dz */
+        *conv = MPT__CUDA_CONV_KERNEL_GRAD;
+        *c_dtype = MPT_FLOAT32;
+        d.trans_a = 1;
+        d.m = taps * g->c, d.n = a->f, d.k = pixels;
+        d.b = a->dz, d.ldb = a->f;
+        d.c = a->dkernel, d.ldc = a->f;
+        d.beta = a->accumulate ? 1.0f : 0.0f;
+    } else if (a->input_grad) { /* dx (n·H·W, C) = A_dz · kernelᵀ */
+        *conv = MPT__CUDA_CONV_INPUT_GRAD;
+        *c_dtype = a->dtype;
+        d.trans_b = 1;
+        d.m = a->n * g->h * g->w, d.n = g->c, d.k = taps * a->f;
+        d.b = a->kernel;
+        d.c = (float *)a->y, d.ldc = g->c;
+    } else { /* y (n·OH·OW, F) = act(cols · kernel + bias) */
+        *conv = MPT__CUDA_CONV_FORWARD;
+        *c_dtype = a->dtype;
+        d.m = pixels, d.n = a->f, d.k = taps * g->c;
+        d.b = a->kernel, d.ldb = a->f;
+        d.c = (float *)a->y, d.ldc = a->f;
+        d.bias = a->bias;
+        d.activation = a->act;
+    }
+    return d;
+}
+
+/* The CUDA backend's conv_direct: 1 when it queued the product, 0 when
+   it declines (nothing done). The tile and the K split follow the GEMM's
+   rules for the product's shape, so a shape always takes the same path. */
+static int mpt__cuda_conv_direct(void *impl, const mpt_conv_args *a) {
+    mpt__cuda *c = (mpt__cuda *)impl;
+    const struct mpt__gemm_cache *cache = c->gemm_cache;
+    mpt_dtype c_dtype;
+    int conv, tile;
+    if (!mpt__cuda_conv_takes(c, a)) return 0;
+    const mpt_gemm_desc d = mpt__cuda_conv_gemm(a, &conv, &c_dtype);
+    mpt__cuda_conv_gemm_args p;
+    static_cast<mpt__cuda_gemm_args &>(p) = mpt__cuda_gemm_make_args(&d, c_dtype, d.c);
+    p.gather = mpt__conv_gather_make(a->g, a->f);
+    tile = mpt__gemm_tile(d.m, d.n, c->sm_count, cache->big_tiles, cache->forced_tile);
+    const mpt__gemm_split split = mpt__gemm_split_k(d.m, d.n, d.k, tile, c->sm_count,
+                                                    cache->split_partials_count);
+    if (split.splits > 1) {
+        p.partials = cache->split_partials;
+        p.depth = split.depth;
+    }
+    mpt__cuda_conv_dispatch(tile == 128, a->dtype == MPT_BFLOAT16, conv, &p, c->stream, 0);
+    mpt__cuda_launched(c, "mpt__cuda_gemm_tc_kernel (Conv2D)");
+    if (split.splits > 1) {
+        mpt__cuda_gemm_split_sum_kernel<<<mpt__cuda_blocks(d.m * d.n, 256), 256, 0, c->stream>>>(
+            p, split.splits);
+        mpt__cuda_launched(c, "mpt__cuda_gemm_split_sum_kernel (Conv2D)");
+    }
+    return 1;
 }
 
 /* ---- pooling ------------------------------------------------------------ */
@@ -6248,9 +6487,17 @@ static mpt_status mpt__cuda_choose_gemm(const mpt_context_desc *desc, mpt_gemm_e
 static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceProp *prop,
                                  mpt_gemm_engine engine, mpt__cuda **out, char *message,
                                  size_t size) {
-    mpt__cuda *c = (mpt__cuda *)calloc(1, sizeof(mpt__cuda));
+    const char *conv_env = getenv("MPT_CUDA_CONV");
+    mpt__cuda *c;
     cudaError_t e;
     *out = NULL;
+    if (conv_env && *conv_env && strcmp(conv_env, "im2col") != 0 &&
+        strcmp(conv_env, "implicit") != 0) {
+        mpt__cuda_say(message, size, "MPT_CUDA_CONV=\"%s\": expected \"implicit\" or \"im2col\"",
+                      conv_env);
+        return MPT_ERR_INVALID_ARGUMENT;
+    }
+    c = (mpt__cuda *)calloc(1, sizeof(mpt__cuda));
     if (!c) {
         mpt__cuda_say(message, size, "no host memory for the CUDA backend's state");
         return MPT_ERR_OUT_OF_MEMORY;
@@ -6261,6 +6508,7 @@ static mpt_status mpt__cuda_open(const mpt_context_desc *desc, const cudaDeviceP
     c->limit = desc->device_memory_limit;
     c->index64 = getenv("MPT_CUDA_INDEX64") && !strcmp(getenv("MPT_CUDA_INDEX64"), "1");
     c->allow_tf32 = getenv("MPT_ALLOW_TF32") && !strcmp(getenv("MPT_ALLOW_TF32"), "1");
+    c->conv_implicit = !conv_env || strcmp(conv_env, "im2col") != 0;
     c->logger = desc->logger;
     if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess ||
         (e = cudaStreamCreateWithFlags(&c->copy_stream, cudaStreamNonBlocking)) != cudaSuccess ||
@@ -6729,6 +6977,7 @@ static mpt_backend mpt__cuda_table_filled(void) {
     t.column_sums = MPT__CUDA_ENTRY(mpt__cuda_column_sums);
     t.im2col = MPT__CUDA_ENTRY(mpt__cuda_im2col);
     t.col2im = MPT__CUDA_ENTRY(mpt__cuda_col2im);
+    t.conv_direct = MPT__CUDA_ENTRY(mpt__cuda_conv_direct);
     t.pool_forward = MPT__CUDA_ENTRY(mpt__cuda_pool_forward);
     t.pool_backward = MPT__CUDA_ENTRY(mpt__cuda_pool_backward);
     t.pool_workspace = MPT__CUDA_ENTRY(mpt__cuda_pool_workspace);

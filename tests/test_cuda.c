@@ -15,7 +15,7 @@
    device is one FAIL instead, saying why. `test_cuda wgmma` runs the
    Hopper GEMM's tests alone, `test_cuda qgemm` the int8 GEMM's,
    `test_cuda attention` MultiHeadAttention's (the backend functions and
-   the model).
+   the model), `test_cuda conv` Conv2D's implicit GEMMs (conv_direct).
    `test_cuda quick` leaves out the
    whole-model trainings (for compute-sanitizer); `test_cuda layers` and
    `test_cuda gemm` are its two halves (racecheck needs more than ten
@@ -2937,6 +2937,256 @@ static void test_layout_index_paths(void) {
     close_backend(&wide);
 }
 
+/* ---- Conv2D's implicit GEMMs (conv_direct) ------------------------------------------------ */
+
+/* issue 35 A.4: the CUDA backend's conv_direct (mpt_cuda.cu @cuda-conv)
+   against the CPU backend's im2col path (im2col, gemm, col2im), each
+   direction, float16 and bfloat16, fresh random inputs, outputs poisoned
+   first. The CPU's results stay float32; the GPU's y and dx are rounded
+   to the dtype once, so y and dx <= tolerance(dt) of the norm (half an
+   ulp, plus float32 sums in another order); dkernel (float32, sums over
+   up to 32768 pixels in another order and split along them) <= 1e-4, and
+   two runs give the same bits. */
+typedef struct conv_direct_case {
+    int64_t n, h, w, c, f, kh, kw, s;
+    int same;
+    mpt_activation act;
+    int bias;
+    const char *why;
+} conv_direct_case;
+
+static const conv_direct_case conv_direct_cases[] = {
+    {3, 13, 11, 16, 24, 3, 3, 2, 1, MPT_ACT_RELU, 1, "stride 2, same"},
+    {2, 12, 12, 8, 32, 3, 3, 1, 0, MPT_ACT_NONE, 0, "valid, no bias"},
+    {3, 9, 10, 32, 8, 1, 1, 2, 0, MPT_ACT_SIGMOID, 1, "1x1 of stride 2"},
+    {2, 7, 7, 8, 16, 5, 5, 3, 1, MPT_ACT_TANH, 1, "5x5 of stride 3, past the image"},
+    {2, 9, 8, 8, 8, 2, 3, 1, 1, MPT_ACT_RELU, 1, "2x3, same"},
+    {64, 12, 12, 8, 32, 3, 3, 1, 1, MPT_ACT_RELU, 1, "kernel gradient split along K"},
+    {32, 32, 32, 16, 64, 3, 3, 1, 1, MPT_ACT_RELU, 1, "128-wide tiles"},
+};
+
+static mpt_window conv_direct_window(const conv_direct_case *k) {
+    mpt_window g = make_window(k->h, k->w, k->c, k->kh, k->s, k->same);
+    if (k->kw != k->kh) { /* make_window's is square: the columns again */
+        mpt_window cols = make_window(k->w, k->w, k->c, k->kw, k->s, k->same);
+        g.kw = cols.kw, g.ow = cols.ow, g.left = cols.left;
+    }
+    return g;
+}
+
+/* Inputs in dt (x, kernel, dz), the bias and a dkernel to add to. */
+typedef struct conv_inputs {
+    void *x, *kernel, *dz;
+    float *bias, *dkernel0;
+    int64_t xn, kn, yn, kk, rows;
+} conv_inputs;
+
+static conv_inputs conv_make_inputs(const conv_direct_case *k, const mpt_window *g,
+                                    mpt_dtype dt) {
+    conv_inputs in;
+    in.kk = g->kh * g->kw * g->c;
+    in.rows = k->n * g->oh * g->ow;
+    in.xn = k->n * g->h * g->w * g->c;
+    in.kn = in.kk * k->f;
+    in.yn = in.rows * k->f;
+    in.x = random_values(dt, in.xn, -1, 1);
+    in.kernel = random_values(dt, in.kn, -0.5, 0.5);
+    in.dz = random_values(dt, in.yn, -1, 1);
+    in.bias = (float *)random_values(MPT_FLOAT32, k->f, -0.5, 0.5);
+    in.dkernel0 = (float *)random_values(MPT_FLOAT32, in.kn, -1, 1);
+    return in;
+}
+
+static void conv_free_inputs(conv_inputs *in) {
+    free(in->x), free(in->kernel), free(in->dz), free(in->bias), free(in->dkernel0);
+}
+
+enum { CONV_FORWARD, CONV_INPUT_GRAD, CONV_KERNEL_GRAD, CONV_KERNEL_GRAD_ADD, CONV_DIRECTIONS };
+static const char *const conv_direction_names[CONV_DIRECTIONS] = {
+    "forward", "input gradient", "kernel gradient", "kernel gradient added"};
+
+/* The CPU's im2col path for one direction: y (rows, F), dx (n, H, W, C)
+   or dkernel (kk, F), float32 (malloc'ed). */
+static float *conv_cpu_reference(const conv_direct_case *k, const mpt_window *g, mpt_dtype dt,
+                                 const conv_inputs *in, int dir) {
+    backend *b = &cpu_be;
+    const void *x = be_upload(b, in->x, nbytes(dt, in->xn));
+    const void *kernel = be_upload(b, in->kernel, nbytes(dt, in->kn));
+    const void *dz = be_upload(b, in->dz, nbytes(dt, in->yn));
+    void *cols = be_poisoned(b, nbytes(dt, in->rows * in->kk));
+    int64_t out_n = dir == CONV_FORWARD ? in->yn : dir == CONV_INPUT_GRAD ? in->xn : in->kn;
+    float *out = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, out_n)), *host;
+    mpt_gemm_desc d;
+    memset(&d, 0, sizeof d);
+    d.ab_dtype = dt;
+    b->t->im2col(b->impl, g, dt, x, k->n, cols);
+    if (dir == CONV_FORWARD) { /* y = act(cols · kernel + bias) */
+        d.m = in->rows, d.n = k->f, d.k = in->kk;
+        d.a = cols, d.lda = in->kk, d.b = kernel, d.ldb = k->f, d.c = out, d.ldc = k->f;
+        d.bias = k->bias ? (const float *)be_upload(b, in->bias, nbytes(MPT_FLOAT32, k->f)) : NULL;
+        d.activation = k->act;
+        b->t->gemm(b->impl, &d, MPT_FLOAT32);
+    } else if (dir == CONV_INPUT_GRAD) { /* dcols = dz · kernelᵀ, then col2im */
+        float *dcols = (float *)be_poisoned(b, nbytes(MPT_FLOAT32, in->rows * in->kk));
+        d.trans_b = 1;
+        d.m = in->rows, d.n = in->kk, d.k = k->f;
+        d.a = dz, d.lda = k->f, d.b = kernel, d.ldb = k->f, d.c = dcols, d.ldc = in->kk;
+        b->t->gemm(b->impl, &d, MPT_FLOAT32);
+        b->t->col2im(b->impl, g, MPT_FLOAT32, dcols, k->n, NULL, out);
+    } else { /* dkernel (+)= colsᵀ · dz */
+        if (dir == CONV_KERNEL_GRAD_ADD) be_put(b, out, in->dkernel0, nbytes(MPT_FLOAT32, in->kn));
+        d.trans_a = 1;
+        d.m = in->kk, d.n = k->f, d.k = in->rows;
+        d.a = cols, d.lda = in->kk, d.b = dz, d.ldb = k->f, d.c = out, d.ldc = k->f;
+        d.beta = dir == CONV_KERNEL_GRAD_ADD ? 1.0f : 0.0f;
+        b->t->gemm(b->impl, &d, MPT_FLOAT32);
+    }
+    host = (float *)be_fetch(b, out, nbytes(MPT_FLOAT32, out_n), "the CPU's im2col path");
+    be_release(b);
+    return host;
+}
+
+/* conv_direct on b for one direction: *taken its answer, the result
+   (malloc'ed; y and dx in dt, dkernel float32), poisoned beforehand. */
+static void *conv_direct_run(backend *b, const conv_direct_case *k, const mpt_window *g,
+                             mpt_dtype dt, const conv_inputs *in, int dir, int *taken) {
+    mpt_conv_args a;
+    int64_t out_n = dir == CONV_FORWARD ? in->yn : dir == CONV_INPUT_GRAD ? in->xn : in->kn;
+    mpt_dtype out_dt = dir >= CONV_KERNEL_GRAD ? MPT_FLOAT32 : dt;
+    void *out = be_poisoned(b, nbytes(out_dt, out_n)), *host;
+    memset(&a, 0, sizeof a);
+    a.g = g;
+    a.dtype = dt;
+    a.n = k->n;
+    a.f = k->f;
+    a.kernel = be_upload(b, in->kernel, nbytes(dt, in->kn));
+    /* the layer's workspace contract (the kernel gradient's may be NULL) */
+    if (dir < CONV_KERNEL_GRAD)
+        a.ws = be_alloc(b, (size_t)MPT_CONV_DIRECT_WS_BYTES(in->kk, g->c, k->f));
+    if (dir == CONV_FORWARD) {
+        a.x = be_upload(b, in->x, nbytes(dt, in->xn));
+        a.bias = k->bias ? (const float *)be_upload(b, in->bias, nbytes(MPT_FLOAT32, k->f)) : NULL;
+        a.act = k->act;
+        a.y = out;
+    } else if (dir == CONV_INPUT_GRAD) {
+        a.input_grad = 1;
+        a.x = be_upload(b, in->dz, nbytes(dt, in->yn)); /* the layer passes dz as x */
+        a.y = out;
+    } else {
+        a.kernel_grad = 1;
+        a.x = be_upload(b, in->x, nbytes(dt, in->xn));
+        a.dz = be_upload(b, in->dz, nbytes(dt, in->yn));
+        a.dkernel = (float *)out;
+        a.accumulate = dir == CONV_KERNEL_GRAD_ADD;
+        if (a.accumulate) be_put(b, out, in->dkernel0, nbytes(MPT_FLOAT32, in->kn));
+    }
+    *taken = b->t->conv_direct && b->t->conv_direct(b->impl, &a);
+    host = be_fetch(b, out, nbytes(out_dt, out_n), "conv_direct");
+    be_release(b);
+    return host;
+}
+
+static void test_conv_direct(void) {
+    backend *gpu = &gpu_be[GPU_AUTO];
+    size_t ci;
+    int di, dir;
+    for (ci = 0; ci < sizeof conv_direct_cases / sizeof conv_direct_cases[0]; ci++)
+        for (di = 1; di < 3; di++) {
+            const conv_direct_case *k = &conv_direct_cases[ci];
+            const mpt_window g = conv_direct_window(k);
+            const mpt_dtype dt = float_dtypes[di];
+            conv_inputs in = conv_make_inputs(k, &g, dt);
+            char what[200], win[160];
+            describe_window(win, sizeof win, &g, k->n, dt);
+            for (dir = 0; dir < CONV_DIRECTIONS; dir++) {
+                float *ref = conv_cpu_reference(k, &g, dt, &in, dir);
+                int64_t out_n = dir == CONV_FORWARD ? in.yn : dir == CONV_INPUT_GRAD ? in.xn : in.kn;
+                int taken[2], run;
+                void *got[2];
+                double err, tol = dir >= CONV_KERNEL_GRAD ? 1e-4 : tolerance(dt);
+                snprintf(what, sizeof what, "%s (%s) F %lld %s", conv_direction_names[dir], k->why,
+                         (long long)k->f, win);
+                for (run = 0; run < 2; run++)
+                    got[run] = conv_direct_run(gpu, k, &g, dt, &in, dir, &taken[run]);
+                CHECK(taken[0] && taken[1], "conv_direct declined %s", what);
+                err = rel_error(dir >= CONV_KERNEL_GRAD ? MPT_FLOAT32 : dt, got[0], MPT_FLOAT32, ref,
+                                out_n);
+                CHECK(err <= tol, "conv_direct %s: relative error %.3g > %g", what, err, tol);
+                CHECK(!memcmp(got[0], got[1], nbytes(dir >= CONV_KERNEL_GRAD ? MPT_FLOAT32 : dt,
+                                                     out_n)),
+                      "conv_direct %s: two runs differ", what);
+                free(ref);
+                free(got[0]);
+                free(got[1]);
+            }
+            conv_free_inputs(&in);
+        }
+}
+
+/* What conv_direct declines does nothing (the output keeps its poison):
+   a first layer's 3 channels, 12 filters, float32, a 1×1 window of
+   stride 1 (a plain GEMM already), the kernel gradient from out and dy
+   (dz NULL), softmax; and with $MPT_CUDA_CONV=im2col a case it takes. */
+static void test_conv_direct_declines(void) {
+    static const conv_direct_case cases[] = {
+        {2, 8, 8, 3, 16, 3, 3, 1, 1, MPT_ACT_RELU, 1, "3 channels"},
+        {2, 8, 8, 8, 12, 3, 3, 1, 1, MPT_ACT_RELU, 1, "12 filters"},
+        {2, 8, 8, 8, 16, 1, 1, 1, 0, MPT_ACT_RELU, 1, "1x1 of stride 1"},
+    };
+    backend *gpu = &gpu_be[GPU_AUTO];
+    backend im2col_be;
+    size_t ci;
+    int dir, taken;
+    for (ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const mpt_window g = conv_direct_window(&cases[ci]);
+        conv_inputs in = conv_make_inputs(&cases[ci], &g, MPT_FLOAT16);
+        for (dir = 0; dir < CONV_KERNEL_GRAD_ADD; dir++) {
+            void *got = conv_direct_run(gpu, &cases[ci], &g, MPT_FLOAT16, &in, dir, &taken);
+            CHECK(!taken, "%s: %s taken", cases[ci].why, conv_direction_names[dir]);
+            free(got);
+        }
+        conv_free_inputs(&in);
+    }
+    {
+        const conv_direct_case *k = &conv_direct_cases[0];
+        const mpt_window g = conv_direct_window(k);
+        conv_inputs in = conv_make_inputs(k, &g, MPT_FLOAT32);
+        mpt_conv_args a;
+        unsigned char *got;
+        int64_t i, poisoned = 0;
+        got = (unsigned char *)conv_direct_run(gpu, k, &g, MPT_FLOAT32, &in, CONV_FORWARD, &taken);
+        CHECK(!taken, "float32 taken");
+        for (i = 0; i < (int64_t)nbytes(MPT_FLOAT32, in.yn); i++) poisoned += got[i] == 0xFF;
+        CHECK(poisoned == (int64_t)nbytes(MPT_FLOAT32, in.yn), "a declined call wrote y");
+        free(got);
+        conv_free_inputs(&in);
+        in = conv_make_inputs(k, &g, MPT_FLOAT16);
+        memset(&a, 0, sizeof a);
+        a.g = &g, a.dtype = MPT_FLOAT16, a.n = k->n, a.f = k->f, a.kernel_grad = 1;
+        a.x = be_upload(gpu, in.x, nbytes(MPT_FLOAT16, in.xn));
+        a.out = be_upload(gpu, in.dz, nbytes(MPT_FLOAT16, in.yn));
+        a.dy = be_upload(gpu, in.dz, nbytes(MPT_FLOAT16, in.yn));
+        a.act = MPT_ACT_RELU;
+        a.dkernel = (float *)be_poisoned(gpu, nbytes(MPT_FLOAT32, in.kn));
+        CHECK(!gpu->t->conv_direct(gpu->impl, &a), "the kernel gradient from out and dy taken");
+        a.kernel_grad = 0, a.act = MPT_ACT_SOFTMAX, a.y = be_poisoned(gpu, nbytes(MPT_FLOAT16, in.yn));
+        a.kernel = be_upload(gpu, in.kernel, nbytes(MPT_FLOAT16, in.kn));
+        CHECK(!gpu->t->conv_direct(gpu->impl, &a), "a forward with softmax taken");
+        be_release(gpu);
+        if (open_backend_env_engine(&im2col_be, "MPT_CUDA_CONV=im2col", "MPT_CUDA_CONV", "im2col",
+                                    MPT_GEMM_AUTO)) {
+            for (dir = 0; dir < CONV_DIRECTIONS; dir++) {
+                void *out = conv_direct_run(&im2col_be, k, &g, MPT_FLOAT16, &in, dir, &taken);
+                CHECK(!taken, "MPT_CUDA_CONV=im2col: %s taken", conv_direction_names[dir]);
+                free(out);
+            }
+            close_backend(&im2col_be);
+        }
+        conv_free_inputs(&in);
+    }
+}
+
+
 /* ---- whole models ---------------------------------------------------------------------------------- */
 
 enum { N_BLOBS = 1024, FEATURES = 12, CLASSES = 4 };
@@ -3363,6 +3613,131 @@ static void test_model_two_inputs_on_the_gpu(void) {
     CHECK(den > 0 && sqrt(num / den) <= 1e-4, "GPU against CPU: relative norm error %.3g",
           sqrt(num / den));
     CHECK(memcmp(w[1], w[2], sizeof w[1]) == 0, "two runs on the GPU gave different weights");
+}
+
+/* ---- a small CNN on the GPU: Conv2D through conv_direct -------------------------------- */
+
+#define CNN_N 96
+#define CNN_HW 8
+#define CNN_C 8
+#define CNN_WEIGHTS 4096
+
+/* Images (8, 8, 8) -> Conv2D(16, 3×3, same, relu) -> Conv2D(16, 3×3,
+   strides 2, same, relu) -> Flatten -> Dense(2, softmax), mixed_float16
+   (both Conv2Ds have channels and filters in multiples of 8: conv_direct
+   takes all three products of each on a GPU), plain SGD so that the
+   weights' change is linear in the gradients, two epochs of batch 32 on
+   the context c. Its weights before (w0) and after (w) fit. */
+static mpt_status train_cnn(mpt_context *c, float *w0, float *w) {
+    static float x[CNN_N * CNN_HW * CNN_HW * CNN_C];
+    static int32_t y[CNN_N];
+    int64_t xs[4] = {CNN_N, CNN_HW, CNN_HW, CNN_C}, ys[1] = {CNN_N}, i;
+    mpt_tensor tx, ty;
+    mpt_model_desc md;
+    mpt_conv2d_desc cd;
+    mpt_dense_desc dd;
+    mpt_compile_desc comp;
+    mpt_fit_desc fd;
+    mpt_dataset_desc ds;
+    mpt_dataset *d = NULL;
+    mpt_model *m = NULL;
+    mpt_status st;
+    test_seed(35);
+    for (i = 0; i < CNN_N * CNN_HW * CNN_HW * CNN_C; i++) x[i] = (float)test_uniform(-1, 1);
+    for (i = 0; i < CNN_N; i++) { /* channel 0's top-left quadrant, summed */
+        double s = 0;
+        int64_t r, q;
+        for (r = 0; r < CNN_HW / 2; r++)
+            for (q = 0; q < CNN_HW / 2; q++) s += x[((i * CNN_HW + r) * CNN_HW + q) * CNN_C];
+        y[i] = s > 0;
+    }
+    memset(&md, 0, sizeof md);
+    md.input_shape[0] = md.input_shape[1] = CNN_HW;
+    md.input_shape[2] = CNN_C;
+    md.input_rank = 3;
+    md.policy = MPT_POLICY_MIXED_FLOAT16;
+    md.seed = 9;
+    memset(&cd, 0, sizeof cd);
+    cd.filters = 16;
+    cd.kernel_size[0] = cd.kernel_size[1] = 3;
+    cd.padding = MPT_PADDING_SAME;
+    cd.activation = MPT_ACT_RELU;
+    memset(&dd, 0, sizeof dd);
+    dd.units = 2;
+    dd.activation = MPT_ACT_SOFTMAX;
+    memset(&comp, 0, sizeof comp);
+    comp.optimizer.type = MPT_OPTIMIZER_SGD;
+    comp.optimizer.learning_rate = 0.05f;
+    comp.loss.type = MPT_LOSS_SPARSE_CATEGORICAL_CROSSENTROPY;
+    memset(&fd, 0, sizeof fd);
+    fd.epochs = 2;
+    fd.batch_size = 32;
+    mpt_tensor_wrap(c, &tx, MPT_FLOAT32, 4, xs, x);
+    mpt_tensor_wrap(c, &ty, MPT_INT32, 1, ys, y);
+    st = mpt_model_create(c, &md, &m);
+    if (st == MPT_OK) {
+        mpt_model_add_conv2d(m, &cd);
+        cd.strides[0] = cd.strides[1] = 2;
+        mpt_model_add_conv2d(m, &cd);
+        mpt_model_add_flatten(m, NULL);
+        mpt_model_add_dense(m, &dd);
+        st = mpt_model_compile(m, &comp);
+    }
+    if (st == MPT_OK) st = mpt_model_build(m, 32);
+    if (st == MPT_OK) test_weights_of(m, w0, CNN_WEIGHTS);
+    memset(&ds, 0, sizeof ds);
+    ds.x = &tx;
+    ds.y = &ty;
+    if (st == MPT_OK) st = mpt_dataset_create(c, &ds, &d);
+    if (st == MPT_OK) st = mpt_model_fit(m, d, &fd);
+    if (st == MPT_OK) test_weights_of(m, w, CNN_WEIGHTS);
+    mpt_model_destroy(m);
+    mpt_dataset_destroy(d);
+    return st;
+}
+
+/* ‖(b − b0) − (a − a0)‖ / ‖a − a0‖: how far b's change is from a's. */
+static double change_error(const float *a0, const float *a, const float *b0, const float *b) {
+    double num = 0, den = 0;
+    int i;
+    for (i = 0; i < CNN_WEIGHTS; i++) {
+        const double da = (double)a[i] - a0[i], db = (double)b[i] - b0[i];
+        num += (db - da) * (db - da);
+        den += da * da;
+    }
+    return den > 0 ? sqrt(num / den) : INFINITY;
+}
+
+/* The CNN trains on the GPU (the hand-written GEMM engine, so that only
+   the convolutions' path differs between the contexts) as on the CPU:
+   the weights' change within 2e-2 of the CPU's (float16 activations
+   rounded at other points: the CPU's 3×3 products run Winograd's
+   transform; an unmeasured bound, to be settled on a GPU); two runs give
+   the same bits; under MPT_CUDA_CONV=im2col within the same bound, but
+   not the same bits (where conv_direct never ran the two contexts would
+   run the same kernels). */
+static void test_model_cnn_on_the_gpu(void) {
+    static float w0[4][CNN_WEIGHTS], w[4][CNN_WEIGHTS];
+    backend im2col_be;
+    double err;
+    CHECK(train_cnn(cpu_be.ctx, w0[0], w[0]) == MPT_OK, "CPU: %s", mpt_context_error(cpu_be.ctx));
+    CHECK(train_cnn(gpu_be[GPU_MPT].ctx, w0[1], w[1]) == MPT_OK, "GPU: %s",
+          mpt_context_error(gpu_be[GPU_MPT].ctx));
+    CHECK(train_cnn(gpu_be[GPU_MPT].ctx, w0[2], w[2]) == MPT_OK, "GPU again: %s",
+          mpt_context_error(gpu_be[GPU_MPT].ctx));
+    CHECK(!memcmp(w0[0], w0[1], sizeof w0[0]), "the initial weights differ");
+    err = change_error(w0[0], w[0], w0[1], w[1]);
+    CHECK(err <= 2e-2, "GPU against CPU: the weights' change off by %.3g of its norm", err);
+    CHECK(!memcmp(w[1], w[2], sizeof w[1]), "two runs on the GPU gave different weights");
+    if (!open_backend_with_env(&im2col_be, "MPT_CUDA_CONV=im2col", "MPT_CUDA_CONV", "im2col"))
+        return;
+    CHECK(train_cnn(im2col_be.ctx, w0[3], w[3]) == MPT_OK, "GPU, im2col: %s",
+          mpt_context_error(im2col_be.ctx));
+    err = change_error(w0[0], w[0], w0[3], w[3]);
+    CHECK(err <= 2e-2, "GPU (im2col) against CPU: the weights' change off by %.3g", err);
+    CHECK(memcmp(w[1], w[3], sizeof w[1]) != 0,
+          "the implicit GEMMs and im2col gave the same bits: conv_direct never ran");
+    close_backend(&im2col_be);
 }
 
 /* ---- a model of two outputs on the GPU ----------------------------------------------- */
@@ -4726,6 +5101,26 @@ static void test_gpu_was_reached(void) {
 #endif
 }
 
+/* Conv2D's implicit GEMMs (also `test_cuda conv`, the first look on a GPU:
+   a failure here points at mpt_cuda.cu's @cuda-conv or the gather rule,
+   and MPT_CUDA_CONV=im2col takes them out of a model's way). */
+static void run_conv_tests(void) {
+    test__run("conv_direct: Conv2D's forward, input and kernel gradients as implicit GEMMs, "
+              "f16/bf16, strides 1-3, same/valid, 1x1 to 5x5, vs the CPU's im2col path (y, dx <= "
+              "tolerance(dt); dkernel <= 1e-4), two runs identical",
+              test_conv_direct);
+    test__run("conv_direct: 3 channels, 12 filters, float32, 1x1 of stride 1, dz from out and dy, "
+              "softmax and MPT_CUDA_CONV=im2col decline and write nothing",
+              test_conv_direct_declines);
+}
+
+/* A CNN trained through them (also `test_cuda conv`). */
+static void run_conv_model_test(void) {
+    test__run("model: a mixed_float16 CNN (Conv2D of 8 and 16 channels) trains on the GPU as on "
+              "the CPU (the weights' change <= 2e-2), two runs identical, MPT_CUDA_CONV=im2col "
+              "other bits", test_model_cnn_on_the_gpu);
+}
+
 /* The Hopper GEMM's own tests (also `test_cuda wgmma`). */
 static void run_wgmma_tests(void) {
     test__run("gemm wgmma: every transpose, f16/bf16, odd M/N/K, each epilogue, vs CPU and "
@@ -4789,6 +5184,7 @@ static void run_layer_tests(void) {
               test_hand_step_functions);
     test__run("im2col (exact) and col2im on the 32-bit and 64-bit index paths",
               test_layout_index_paths);
+    run_conv_tests();
     test__run("layernorm forward and backward (y, dx <= tolerance(dt); statistics, dgamma, "
               "dbeta <= 1e-5)",
               test_layernorm);
@@ -4833,6 +5229,7 @@ int main(int argc, char **argv) {
     int layers_only = argc > 1 && !strcmp(argv[1], "layers");
     int qgemm_only = argc > 1 && !strcmp(argv[1], "qgemm");
     int attention_only = argc > 1 && !strcmp(argv[1], "attention");
+    int conv_only = argc > 1 && !strcmp(argv[1], "conv");
     test_seed(2024);
 #ifdef MPT_CUDA
     setenv("CUDA_MODULE_LOADING", "LAZY", 0); /* what test_kernels_loaded_at_creation needs */
@@ -4877,6 +5274,14 @@ int main(int argc, char **argv) {
         close_backend(&cpu_be);
         return test_summary(PROGRAM);
     }
+    if (conv_only) {
+        /* `test_cuda conv`: Conv2D's implicit GEMMs alone */
+        run_conv_tests();
+        run_conv_model_test();
+        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
+        close_backend(&cpu_be);
+        return test_summary(PROGRAM);
+    }
     if (attention_only) {
         /* `test_cuda attention`: MultiHeadAttention's tests alone */
         run_attention_test();
@@ -4895,6 +5300,7 @@ int main(int argc, char **argv) {
         test__run("model: token ids (Embedding, PositionEmbedding) learn; CUDA graphs on and off "
                   "and two runs identical; a bad id refused", test_model_of_ids_on_the_gpu);
         run_attention_model_test();
+        run_conv_model_test();
         test__run("model: two inputs (numbers, ids) train on the GPU to the CPU's weights "
                   "(<= 1e-4), two runs identical", test_model_two_inputs_on_the_gpu);
         test__run("model: two outputs (a classifier, a regression) train on the GPU to the "

@@ -8,10 +8,12 @@
    bfloat16 rounding) against double precision and bit-level references,
    and the int8 GEMM's
    requantization (TFLite's rounding, which mpt_qgemm runs too) and
-   fragment addresses (through ldmatrix and mma.sync emulated). The
-   kernels that use them are compared with the CPU in tests/test_cuda.c, on
-   a GPU. Like mpt_cuda.cu, it compiles those rules without the
-   implementation. */
+   fragment addresses (through ldmatrix and mma.sync emulated), and
+   Conv2D's implicit-GEMM gathers (against the CPU backend's im2col and
+   the input gradient's definition). The kernels that use them are
+   compared with the CPU in tests/test_cuda.c, on a GPU. Like
+   mpt_cuda.cu, it compiles those rules without the implementation (it
+   calls the CPU backend through the public API only). */
 #define MPT_BACKEND_SHARED
 #include "mpt.h"
 #include "test.h"
@@ -774,6 +776,205 @@ static void test_epilogue_staging(void) {
     CHECK(conflicts == 0, "%d banks hit twice or not at all by one access", conflicts);
 }
 
+/* ---- Conv2D's implicit-GEMM gathers (mpt__conv_gather_at) ----------------------- */
+
+/* The windows: strides 1 to 3 (unequal too), 'same' and 'valid', kernels
+   1×1, 2×3, 3×3, 5×5, odd sizes, a window larger than the image, a
+   single output pixel. */
+typedef struct conv_case {
+    int64_t h, w, c, f, kh, kw, sh, sw;
+    int same;
+} conv_case;
+
+static const conv_case conv_cases[] = {
+    {7, 9, 8, 8, 3, 3, 1, 1, 1},   {7, 9, 8, 16, 3, 3, 2, 2, 1},  {9, 8, 16, 8, 3, 3, 2, 2, 0},
+    {11, 10, 8, 24, 5, 5, 3, 3, 1}, {6, 7, 16, 8, 2, 3, 1, 1, 0}, {5, 5, 8, 8, 1, 1, 2, 2, 0},
+    {6, 5, 8, 16, 1, 1, 3, 3, 1},  {4, 4, 8, 8, 5, 5, 3, 3, 1},   {5, 6, 8, 8, 2, 3, 2, 1, 1},
+    {8, 8, 24, 8, 3, 3, 3, 3, 0},  {3, 3, 8, 8, 3, 3, 1, 1, 0},   {13, 11, 8, 8, 5, 5, 2, 3, 1},
+    {10, 7, 8, 16, 3, 2, 3, 2, 1},
+};
+#define N_CONV_CASES ((int)(sizeof conv_cases / sizeof conv_cases[0]))
+
+/* One axis with TensorFlow's padding, as Conv2D's window has it: 'same'
+   gives ceil(in / s) outputs and half the padding before (the odd pixel
+   after). */
+static int64_t conv_axis(int64_t in, int64_t k, int64_t s, int same, int64_t *before) {
+    int64_t out, pad;
+    *before = 0;
+    if (!same) return (in - k) / s + 1;
+    out = (in + s - 1) / s;
+    pad = (out - 1) * s + k - in;
+    *before = pad > 0 ? pad / 2 : 0;
+    return out;
+}
+
+static mpt_window conv_case_window(const conv_case *k) {
+    mpt_window g;
+    memset(&g, 0, sizeof g);
+    g.h = k->h, g.w = k->w, g.c = k->c, g.kh = k->kh, g.kw = k->kw, g.sh = k->sh, g.sw = k->sw;
+    g.oh = conv_axis(k->h, k->kh, k->sh, k->same, &g.top);
+    g.ow = conv_axis(k->w, k->kw, k->sw, k->same, &g.left);
+    return g;
+}
+
+static void conv_case_name(char *buf, size_t size, const conv_case *k) {
+    snprintf(buf, size, "(%lld,%lld,%lld) kernel %lldx%lld F %lld stride %lld,%lld %s",
+             (long long)k->h, (long long)k->w, (long long)k->c, (long long)k->kh,
+             (long long)k->kw, (long long)k->f, (long long)k->sh, (long long)k->sw,
+             k->same ? "same" : "valid");
+}
+
+static float *random_floats(int64_t n) {
+    float *p = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    int64_t i;
+    for (i = 0; i < n; i++) p[i] = (float)test_uniform(-1, 1);
+    return p;
+}
+
+/* Value (row, col) of matrix `kind` as the kernel's loader reads it: the
+   chunk at (row, col − col % 8) by the rule, then col % 8 into it; 0 where
+   the rule says -1. A chunk must lie inside the tensor (t_count elements)
+   and start on 8 elements (16 bytes); *bad counts those that do not. */
+static double gathered(const mpt__conv_gather *q, int kind, const float *t, int64_t t_count,
+                       int64_t row, int64_t col, int64_t *bad) {
+    const int64_t at = mpt__conv_gather_at(q, kind, row, col - col % 8);
+    if (at < 0) return 0;
+    if (at % 8 != 0 || at + 8 > t_count) {
+        (*bad)++;
+        return 0;
+    }
+    return t[at + col % 8];
+}
+
+/* The forward's A and the kernel gradient's A (colsᵀ, read as the loader
+   reads a transposed operand: stored row k, column m) against the CPU
+   backend's own im2col of random images: the same values, zeros where
+   cols has its padding, every chunk inside x and 16-byte aligned. */
+static void test_conv_gather_cols(void) {
+    const int64_t n = 2;
+    mpt_context *ctx = NULL;
+    mpt_context_desc d;
+    const mpt_backend *cpu;
+    void *impl;
+    int ci;
+    memset(&d, 0, sizeof d);
+    d.use_cpu = 1;
+    d.num_threads = 1;
+    if (mpt_context_create(&d, &ctx) != MPT_OK) {
+        CHECK(0, "no CPU context");
+        return;
+    }
+    cpu = mpt_context_backend(ctx, &impl);
+    for (ci = 0; ci < N_CONV_CASES; ci++) {
+        const conv_case *k = &conv_cases[ci];
+        const mpt_window g = conv_case_window(k);
+        const mpt__conv_gather q = mpt__conv_gather_make(&g, k->f);
+        const int64_t rows = n * g.oh * g.ow, kk = g.kh * g.kw * g.c, xn = n * g.h * g.w * g.c;
+        float *x = random_floats(xn), *dz = random_floats(rows * k->f);
+        float *cols = (float *)malloc(sizeof(float) * (size_t)(rows * kk));
+        int64_t r, col, m, j, bad = 0, wrong = 0, wrong_grad = 0;
+        char name[128];
+        conv_case_name(name, sizeof name, k);
+        CHECK(mpt__conv_gather_fits(&g, n, k->f), "%s: the rule refuses it", name);
+        cpu->im2col(impl, &g, MPT_FLOAT32, x, n, cols); /* (rows, kk) */
+        for (r = 0; r < rows; r++)
+            for (col = 0; col < kk; col++)
+                wrong += gathered(&q, MPT__CONV_GATHER_COLS, x, xn, r, col, &bad) !=
+                         cols[r * kk + col];
+        /* dkernel (kk, F) = colsᵀ · dz, the same sums in the same order */
+        for (m = 0; m < kk; m++)
+            for (j = 0; j < k->f; j++) {
+                double by_rule = 0, by_cols = 0;
+                for (r = 0; r < rows; r++) {
+                    by_rule += gathered(&q, MPT__CONV_GATHER_COLS, x, xn, r, m, &bad) *
+                               dz[r * k->f + j];
+                    by_cols += (double)cols[r * kk + m] * dz[r * k->f + j];
+                }
+                wrong_grad += by_rule != by_cols;
+            }
+        CHECK(bad == 0, "%s: %lld chunks outside x or unaligned", name, (long long)bad);
+        CHECK(wrong == 0, "%s: %lld elements of cols differ from the CPU's im2col", name,
+              (long long)wrong);
+        CHECK(wrong_grad == 0, "%s: %lld elements of colsᵀ·dz differ", name,
+              (long long)wrong_grad);
+        free(x);
+        free(dz);
+        free(cols);
+    }
+    mpt_context_destroy(ctx);
+}
+
+/* The input gradient's product, A from dz times the kernel's B (stored
+   transposed), both read through the rule, in double, against the
+   definition: dx[b, y, x, c] = Σ over the output pixels (oy, ox) and
+   taps (i, j) with oy·sh − top + i = y, ox·sw − left + j = x, and the
+   filters f, of dz[b, oy, ox, f] · kernel[i, j, c, f]. ≤ 1e-12 of the
+   norm (the same products, summed in another order). */
+static void test_conv_gather_input_grad(void) {
+    const int64_t n = 2;
+    int ci;
+    for (ci = 0; ci < N_CONV_CASES; ci++) {
+        const conv_case *k = &conv_cases[ci];
+        const mpt_window g = conv_case_window(k);
+        const mpt__conv_gather q = mpt__conv_gather_make(&g, k->f);
+        const int64_t taps = g.kh * g.kw, f = k->f, C = g.c;
+        const int64_t dzn = n * g.oh * g.ow * f, kn = taps * C * f, xn = n * g.h * g.w * C;
+        const int64_t rows = n * g.h * g.w, depth = taps * f;
+        float *dz = random_floats(dzn), *kernel = random_floats(kn);
+        double *want = (double *)calloc((size_t)xn, sizeof(double)), num = 0, den = 0;
+        int64_t b, oy, ox, i, j, c, ff, r, col, bad = 0;
+        char name[128];
+        conv_case_name(name, sizeof name, k);
+        for (b = 0; b < n; b++)
+            for (oy = 0; oy < g.oh; oy++)
+                for (ox = 0; ox < g.ow; ox++)
+                    for (i = 0; i < g.kh; i++)
+                        for (j = 0; j < g.kw; j++) {
+                            const int64_t y = oy * g.sh - g.top + i, x = ox * g.sw - g.left + j;
+                            if (y < 0 || y >= g.h || x < 0 || x >= g.w) continue;
+                            for (c = 0; c < C; c++)
+                                for (ff = 0; ff < f; ff++)
+                                    want[((b * g.h + y) * g.w + x) * C + c] +=
+                                        (double)dz[((b * g.oh + oy) * g.ow + ox) * f + ff] *
+                                        kernel[((i * g.kw + j) * C + c) * f + ff];
+                        }
+        for (r = 0; r < rows; r++)
+            for (c = 0; c < C; c++) {
+                double got = 0;
+                for (col = 0; col < depth; col++)
+                    got += gathered(&q, MPT__CONV_GATHER_DZ, dz, dzn, r, col, &bad) *
+                           gathered(&q, MPT__CONV_GATHER_KERNEL, kernel, kn, c, col, &bad);
+                num += (got - want[r * C + c]) * (got - want[r * C + c]);
+                den += want[r * C + c] * want[r * C + c];
+            }
+        CHECK(bad == 0, "%s: %lld chunks outside dz or the kernel, or unaligned", name,
+              (long long)bad);
+        CHECK(den > 0 && sqrt(num / den) <= 1e-12, "%s: dx off by %.3g of its norm", name,
+              den > 0 ? sqrt(num / den) : -1.0);
+        free(dz);
+        free(kernel);
+        free(want);
+    }
+}
+
+/* What the gather takes: channels and filters in whole chunks of 8, and
+   indices below 2^31. */
+static void test_conv_gather_fits(void) {
+    const conv_case base = {12, 12, 16, 32, 3, 3, 1, 1, 1};
+    conv_case k = base;
+    mpt_window g = conv_case_window(&k);
+    CHECK(mpt__conv_gather_fits(&g, 128, k.f), "16 channels, 32 filters refused");
+    k.c = 3, g = conv_case_window(&k);
+    CHECK(!mpt__conv_gather_fits(&g, 128, k.f), "3 channels (a first layer) taken");
+    k = base, k.c = 12, g = conv_case_window(&k);
+    CHECK(!mpt__conv_gather_fits(&g, 128, k.f), "12 channels taken");
+    k = base, g = conv_case_window(&k);
+    CHECK(!mpt__conv_gather_fits(&g, 128, 20), "20 filters taken");
+    k = base, k.h = k.w = 4096, g = conv_case_window(&k);
+    CHECK(mpt__conv_gather_fits(&g, 2, k.f), "dz of 2 × 4096² × 32 (2^30 elements) refused");
+    CHECK(!mpt__conv_gather_fits(&g, 4, k.f), "dz of 4 × 4096² × 32 (2^31 elements) taken");
+}
+
 int main(void) {
     test_seed(99);
     TEST_RUN(test_tile_choice);
@@ -798,5 +999,8 @@ int main(void) {
     TEST_RUN(test_requantize_int8);
     TEST_RUN(test_qgemm_fragments);
     TEST_RUN(test_epilogue_staging);
+    TEST_RUN(test_conv_gather_cols);
+    TEST_RUN(test_conv_gather_input_grad);
+    TEST_RUN(test_conv_gather_fits);
     return test_summary("test_cuda_rules");
 }

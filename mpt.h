@@ -414,7 +414,9 @@
        @impl-quantized-direct  the direct int8 Conv2D (a one-channel Conv2D
                           and its MaxPooling2D from the image), int8 softmax,
                           the float16 Conv2D and its MaxPooling2D by chunks,
-                          ZeroPadding2D, the batch's run
+                          ZeroPadding2D, a graph's operation
+       @impl-quantized-run  a batch through the operations: the walk, its
+                          inputs quantized (AVX-512), its outputs
        @impl-quantized-model  calibration, mpt_model_quantize
        @impl-quantized-use  the quantized model's predict, evaluate,
                           summary, info and invoke
@@ -36697,7 +36699,8 @@ static int mpt__qconv_run(mpt_context *ctx, const mpt__qop *op, const mpt__qop *
 }
 
 /* =============================================================================
-   @impl-quantized-direct: the direct int8 Conv2D, the int8 softmax, and a batch through the operations
+   @impl-quantized-direct: the direct int8 Conv2D, the int8 softmax, a graph's operation, the
+   float16 Conv2D and its MaxPooling2D by chunks
    ============================================================================= */
 
 /* ---- a one-channel Conv2D from the image, and the MaxPooling2D after it ------------------- */
@@ -37247,6 +37250,10 @@ static mpt_status mpt__q_conv_pool_float16(mpt_context *ctx, const mpt__quantize
     *ran = 1;
     return MPT_OK;
 }
+
+/* =============================================================================
+   @impl-quantized-run: a batch through the operations: the walk, the inputs quantized, the run
+   ============================================================================= */
 
 /* n samples through every operation: outs[k] output k's bytes. Each operation reads its input tensors' bytes and writes its
    own (mpt__q_plan). The integer pass reads int8 x. The int8 passes run a

@@ -2778,13 +2778,19 @@ typedef struct mpt_quantized_info {
        and per channel scales (4) in the int8 modes; constants per channel
        (4 each; 1, and their scale, in full integer). TFLite's file size. */
     int64_t size_bytes;
-    /* float16: what the model holds in memory besides size_bytes, made
-       once from the weights so that predict converts nothing: each
-       Dense's kernel as half strips (2 bytes a weight; none where its
-       product has no few-rows path) and float32 panels (4 bytes a weight,
-       its columns rounded up to whole panels), each Conv2D's kernel
-       widened (4 bytes a weight). 0 in the int8 modes (their weights
-       packed for the int8 kernels are not counted). */
+    /* What the model holds in memory besides size_bytes, made once from
+       the weights so that predict prepares nothing per call. float16:
+       each Dense's kernel as half strips (2 bytes a weight; none where
+       its product has no few-rows path) and float32 panels (4 bytes a
+       weight, its columns rounded up to whole panels), each Conv2D's
+       kernel widened (4 bytes a weight). The int8 modes: each kernel
+       packed for the int8 products (a byte a weight, padded to whole
+       panels, and 4 bytes of column sums a channel), a Conv2D's taps laid
+       out for its direct product where it has one (AVX-512 VNNI); full
+       integer also each product's multiplier and shift (8 bytes a
+       channel) and its lookup tables (256 bytes a channel of a MUL or ADD
+       by constants, 64 KiB a two-input merge's). Predict's workspace is
+       not counted. */
     int64_t kept_bytes;
 } mpt_quantized_info;
 
@@ -33916,6 +33922,12 @@ struct mpt_qgemm_packed {
     int32_t *colsum;
 };
 
+/* The bytes p holds: its panels (to a whole 64) and column sums; 0 for
+   NULL. */
+static int64_t mpt__qgemm_packed_bytes(const mpt_qgemm_packed *p) {
+    return p ? (int64_t)((const uint8_t *)p->colsum - p->bpack) + 4 * p->n : 0;
+}
+
 /* The packing layout's name, for a message. */
 static const char *mpt__qgemm_layout_name(int nr, int quads) {
     return nr == 32 ? (quads ? "avx512 vnni" : "avx512") : nr == 16 ? "avx2" : "portable";
@@ -37936,7 +37948,6 @@ static mpt_status mpt__q_store_weights(mpt_context *ctx, mpt__quantized *Q) {
             op->info.weights_float16 = op->wh;
             Q->size_bytes += 2 * NK + 4 * N;
             MPT__CHECK(mpt__q_float16_prepare(ctx, op));
-            Q->kept_bytes += mpt__gemm_half_kept_bytes(op->wh_kept) + (op->kernel ? 4 * NK : 0);
         } else {
             MPT__CHECK(mpt__q_weights_int8(ctx, op));
             if (Q->mode == MPT_QUANTIZE_DYNAMIC_RANGE && op->info.op == MPT_QOP_CONV_2D)
@@ -38002,6 +38013,27 @@ static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
 }
 
 /* The quantized model's own: its operations and tensors. */
+/* What op keeps in memory besides its file's bytes
+   (mpt_quantized_info.kept_bytes): float16's kept Dense kernel and
+   widened Conv2D kernel; the int8 modes' weights packed for the int8
+   kernels, the direct Conv2D's taps and sums (direct_col ends them, one
+   int32 a padded filter); full integer's multipliers and shifts and its
+   lookup tables. */
+static int64_t mpt__qop_kept_bytes(const mpt__qop *op) {
+    const int64_t N = op->info.out_channels, C = op->info.n_constants;
+    int64_t bytes = mpt__gemm_half_kept_bytes(op->wh_kept) + mpt__qgemm_packed_bytes(op->wpacked);
+    if (op->kernel) bytes += 4 * N * op->info.depth;
+    if (op->direct_w) {
+        const int64_t taps = (int64_t)((const uint8_t *)op->direct_col - op->direct_w);
+        bytes += taps + taps / op->direct_groups;
+    }
+    if (op->mult) bytes += 8 * N; /* mult and shift */
+    if (op->channel_lut) bytes += 256 * C;
+    if (op->chain_lut) bytes += 256 * C + 4;
+    if (op->pair_lut) bytes += 256 * 256 + 4;
+    return bytes;
+}
+
 static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
                                       mpt__quantized *Q) {
     mpt_status s;
@@ -38031,6 +38063,7 @@ static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
         mpt__q_tensors_free(m->ctx, Q, hi, sizeof(float));
     }
     mpt__q_drop_float_weights(m->ctx, Q);
+    for (k = 0; s == MPT_OK && k < Q->n_ops; k++) Q->kept_bytes += mpt__qop_kept_bytes(&Q->ops[k]);
     return s;
 }
 

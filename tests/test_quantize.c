@@ -1331,6 +1331,73 @@ static void test_float16_model(void) {
     mpt_context_destroy(ctx);
 }
 
+/* What an int8 model keeps besides its file's bytes, from what its
+   operations hold, each by its own layout's rule: a packed kernel's
+   panels of nr columns and depth groups (4 bytes a group of four, or of
+   two without VNNI's quads), to a whole 64 bytes, and its column sums; a
+   direct Conv2D's taps and sums (its filters padded to 16); full
+   integer's multiplier and shift per channel and its lookup tables. */
+static int64_t int8_kept_bytes(const mpt__quantized *Q) {
+    int64_t bytes = 0;
+    int i;
+    for (i = 0; i < Q->n_ops; i++) {
+        const mpt__qop *op = &Q->ops[i];
+        const int64_t N = op->info.out_channels, C = op->info.n_constants;
+        if (op->wpacked) {
+            const mpt_qgemm_packed *p = op->wpacked;
+            const int64_t groups = p->quads ? (p->k + 3) / 4 : (p->k + 1) / 2;
+            const int64_t panels = (p->n + p->nr - 1) / p->nr;
+            bytes += (panels * p->nr * groups * 4 + 63) / 64 * 64 + 4 * p->n;
+        }
+        if (op->direct_w) bytes += (op->direct_groups + 1) * ((N + 15) / 16 * 16) * 4;
+        if (op->mult) bytes += 8 * N;
+        if (op->channel_lut) bytes += 256 * C;
+        if (op->chain_lut) bytes += 256 * C + 4;
+        if (op->pair_lut) bytes += 256 * 256 + 4;
+    }
+    return bytes;
+}
+
+/* The int8 modes count what they keep (mpt_quantized_info.kept_bytes):
+   at least the packed copy of every weight, and each table. */
+static void test_int8_kept_bytes(void) {
+    int kind, mode, pair_tables = 0, channel_tables = 0, chain_tables = 0;
+    make_samples(29);
+    for (kind = MODEL_CNN; kind <= MODEL_POOL_BRANCH; kind++)
+        for (mode = MPT_QUANTIZE_DYNAMIC_RANGE; mode <= MPT_QUANTIZE_FULL_INTEGER; mode++) {
+            mpt_context *ctx = quiet_ctx();
+            mpt_model *m = make_model(ctx, kind, 970);
+            mpt_dataset *d = samples_dataset(ctx, N_SAMPLES, sample_x);
+            mpt_model *q = quantize(m, (mpt_quantize_mode)mode, d, MPT_DTYPE_DEFAULT);
+            mpt_quantized_info info;
+            int64_t weights = 0;
+            int i;
+            memset(&info, 0, sizeof info);
+            for (i = 0; q && i < q->quantized->n_ops; i++) {
+                const mpt__qop *op = &q->quantized->ops[i];
+                if (op->wq) weights += op->info.out_channels * op->info.depth;
+                CHECK(!op->wq || op->wpacked, "model %d mode %d op %d: weights not packed", kind,
+                      mode, i);
+                pair_tables += op->pair_lut != NULL;
+                channel_tables += op->channel_lut != NULL;
+                chain_tables += op->chain_lut != NULL;
+            }
+            CHECK(q && mpt_model_quantized_info(q, &info) == MPT_OK && weights > 0 &&
+                      info.kept_bytes == int8_kept_bytes(q->quantized) &&
+                      info.kept_bytes >= weights,
+                  "model %d mode %d: kept %lld bytes, want %lld (%lld weights)", kind, mode,
+                  (long long)info.kept_bytes, (long long)(q ? int8_kept_bytes(q->quantized) : 0),
+                  (long long)weights);
+            mpt_model_destroy(q);
+            mpt_dataset_destroy(d);
+            mpt_model_destroy(m);
+            mpt_context_destroy(ctx);
+        }
+    CHECK(pair_tables && channel_tables && chain_tables,
+          "the models hold %d pair, %d channel and %d chain tables: some not seen", pair_tables,
+          channel_tables, chain_tables);
+}
+
 /* The summary names the mode, each operation's float layers and, in full
    integer, its output's quantization. */
 static void test_quantized_summary(void) {
@@ -3909,6 +3976,7 @@ int main(void) {
     TEST_RUN(test_batchnorm_folding_float);
     TEST_RUN(test_layers_within_steps);
     TEST_RUN(test_float16_model);
+    TEST_RUN(test_int8_kept_bytes);
     TEST_RUN(test_float16_conv_direct);
     TEST_RUN(test_float16_dense_in_place);
     TEST_RUN(test_float_max_pool_as_float_model);

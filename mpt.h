@@ -18838,7 +18838,15 @@ static int mpt__bn_fold_into(const mpt__layer *B, float *kernel, float *bias, in
    cnn); the threshold is where two threads began to win on that 2-core
    host (bench/RESULTS.md, "Predict's plan"): at a batch of 1 its
    Conv2Ds of 15-40 µs ran no faster on two, its elementwise layers
-   slower, and at a batch of 4 the 70-90 µs ones 1.1-1.5× faster. */
+   slower, and at a batch of 4 the 70-90 µs ones 1.1-1.5× faster. That
+   was with both cores busy (load 7-8); with the second core free, a
+   product (a layer with multiply-adds: Conv2D, Dense) pays for the
+   hand-off from a few microseconds (cnn_small's Conv2D of 6 µs, the seed
+   cnn's and ResNet-20's at a batch of 1: "cnn_small at a batch of 1"
+   there), so a product runs alone only below MPT_PREDICT_SOLO_PRODUCT_NS.
+   (Conv2Ds alone at that threshold made the seed cnn slower: its Dense
+   then ran alone after the last Conv2D, long enough for the workers to
+   fall asleep before the next call's first Conv2D.) */
 #define MPT__PREDICT_NS_PER_MAC 0.022    /* float32, AVX-512: the GEMM, the
                                             direct tiles                     */
 #define MPT__PREDICT_NS_PER_WINO_MAC 0.008 /* a 3×3 Conv2D by Winograd's F(4×4,
@@ -18848,6 +18856,9 @@ static int mpt__bn_fold_into(const mpt__layer *B, float *kernel, float *bias, in
 #define MPT__PREDICT_NS_PER_WEIGHT 0.065 /* a float of weights, once a call   */
 #ifndef MPT_PREDICT_SOLO_NS
 #define MPT_PREDICT_SOLO_NS 50000.0
+#endif
+#ifndef MPT_PREDICT_SOLO_PRODUCT_NS
+#define MPT_PREDICT_SOLO_PRODUCT_NS 5000.0
 #endif
 
 /* A layer as the plan runs it. */
@@ -18869,6 +18880,7 @@ typedef struct mpt__plan_layer {
                                one pass (mpt__predict_add_relu)             */
     double ns_sample, ns_call; /* the thread rule's estimate: per sample,
                                and once a call                              */
+    double solo_ns;         /* below it, the layer runs alone               */
 } mpt__plan_layer;
 
 typedef struct mpt__predict_plan {
@@ -19037,6 +19049,7 @@ static void mpt__plan_estimate(const mpt_model *m, mpt__plan_layer *s, int i) {
     s->ns_sample = (L->ops->macs ? L->ops->macs(L) : 0) * per_mac +
                    (double)(L->in_count + L->out_count) * MPT__PREDICT_NS_PER_ELEMENT;
     s->ns_call = weights * MPT__PREDICT_NS_PER_WEIGHT;
+    s->solo_ns = L->ops->macs ? MPT_PREDICT_SOLO_PRODUCT_NS : MPT_PREDICT_SOLO_NS;
 }
 
 /* m's plan for its weights as they are: the one it has, or one made now;
@@ -19220,7 +19233,7 @@ static void mpt__predict_forward(mpt_model *m, const mpt_tensor *x) {
             w.cur_dtype = L->dtype;
             continue;
         }
-        pool->solo = (double)w.p.batch * s->ns_sample + s->ns_call < MPT_PREDICT_SOLO_NS;
+        pool->solo = (double)w.p.batch * s->ns_sample + s->ns_call < s->solo_ns;
         L = mpt__forward_prepare(m, i, &w);
         if (s->planned) {
             mpt__predict_weighted(m, L, &w.p, s);

@@ -2516,18 +2516,19 @@ static void test_predict_pair_kept(void) {
     mpt_model_destroy(apart);
 }
 
-/* The thread rule (@impl-predict): a batch of 1 of a small model runs
-   every layer on the calling thread (no parallel-for handed to the pool,
-   though its Conv2D has several tasks), a batch of 64 of a larger one
-   hands its big layers to the pool; either way the bits are those of a
-   1-thread context. */
+/* The thread rule (@impl-predict-plan): a batch of 1 of a small model
+   (its Conv2D estimated under MPT_PREDICT_SOLO_PRODUCT_NS) runs every
+   layer on the calling thread (no parallel-for handed to the pool), a
+   batch of 1 of a 28 × 28 image hands its Conv2D (about 9 µs, 5 tasks
+   of Winograd's tiles) to the pool, and a batch of 64 of a larger one its
+   big layers; either way the bits are those of a 1-thread context. */
 static void test_predict_threads(void) {
     mpt_context *one;
     int round;
     mpt_context_create(&(mpt_context_desc){.num_threads = 1}, &one);
-    for (round = 0; round < 2; round++) {
-        /* the batch of 1's Conv2D is 5 tasks of Winograd's tiles, under 30 µs */
-        const int64_t batch = round ? 64 : 1, filters = round ? 32 : 16, side = round ? 16 : 28;
+    for (round = 0; round < 3; round++) {
+        const int64_t batch = round == 2 ? 64 : 1, filters = round == 2 ? 32 : 16;
+        const int64_t side = round == 0 ? 12 : round == 1 ? 28 : 16;
         const int64_t count = batch * side * side * 8;
         mpt_model *m = plan_classifier(ctx, filters, side, batch);
         mpt_model *m1 = plan_classifier(one, filters, side, batch);
@@ -2554,13 +2555,15 @@ static void test_predict_threads(void) {
         }
         CHECK(handed >= 0, "predict: %s", mpt_context_error(ctx));
         if (round == 0)
-            CHECK(handed == 0, "a batch of 1 handed %lld parallel-fors to the pool",
-                  (long long)handed);
+            CHECK(handed == 0, "a batch of 1 of 12 x 12 images handed %lld parallel-fors to "
+                  "the pool", (long long)handed);
         else
-            CHECK(handed > 0, "a batch of 64 handed nothing to the pool");
+            CHECK(handed > 0, "a batch of %lld of %lld x %lld images handed nothing to the pool",
+                  (long long)batch, (long long)side, (long long)side);
         CHECK(same, "2 threads predict other bits than 1");
-        test__end("predict's thread rule: a batch of %lld hands %lld parallel-fors to the pool, "
-                  "the bits of 1 thread", (long long)batch, (long long)handed);
+        test__end("predict's thread rule: a batch of %lld of %lld x %lld images hands %lld "
+                  "parallel-fors to the pool, the bits of 1 thread", (long long)batch,
+                  (long long)side, (long long)side, (long long)handed);
         free(x);
         mpt_tensor_free(ctx, &p2), mpt_tensor_free(one, &p1);
         mpt_dataset_destroy(d2), mpt_dataset_destroy(d1);

@@ -30044,9 +30044,9 @@ static int64_t mpt__gemm_few_cols(const mpt__gemm_job *job) {
    out[v]: the sums of columns 16·v to 16·v + 15. A float16 B is widened
    and summed 8 columns at a time (each lane's chain the same FMAs, so the
    same bits): on Zen 4 the 512-bit widening is what bounds that loop, and
-   a 5408 × 128 float16 B (1.4 MB, in L2) took 15.7 µs a row as 16 chains
-   of 8 lanes against 23.8 µs as 8 of 16 (10.2 against 12.5 µs for 64
-   columns). */
+   a 5408 × 128 float16 B (1.4 MB) took 15.7 µs a row as 16 chains of 8
+   lanes against 23.8 µs as 8 of 16 (10.2 against 12.5 µs for 64
+   columns). Not measured where 512-bit FMAs run at full width. */
 #define MPT__FULL_ZERO(v) __m512 c##v = _mm512_setzero_ps();
 #define MPT__FULL_F32(v) c##v = _mm512_fmadd_ps(ak, _mm512_loadu_ps(bf + 16 * v), c##v);
 #define MPT__FULL_OUT(v) out[v] = c##v;

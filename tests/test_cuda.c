@@ -5222,8 +5222,16 @@ static void run_gemm_tests(void) {
 /* `test_cuda quick` (what ./build.sh gpu sanitize runs under
    compute-sanitizer, many times slower): the table's functions only, none
    of the whole-model trainings. */
+/* Every context closed, then the counts (each way out of main). */
+static int closed_summary(void) {
+    int e;
+    for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
+    close_backend(&cpu_be);
+    return test_summary(PROGRAM);
+}
+
 int main(int argc, char **argv) {
-    int e, have_gpu, quick = argc > 1 && !strcmp(argv[1], "quick");
+    int have_gpu, quick = argc > 1 && !strcmp(argv[1], "quick");
     int wgmma_only = argc > 1 && !strcmp(argv[1], "wgmma");
     int gemm_only = argc > 1 && !strcmp(argv[1], "gemm");
     int layers_only = argc > 1 && !strcmp(argv[1], "layers");
@@ -5263,32 +5271,24 @@ int main(int argc, char **argv) {
            new machine, and what compute-sanitizer runs on it) */
         test_gemm_engine(&gpu_be[GPU_WGMMA]);
         run_wgmma_tests();
-        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
-        close_backend(&cpu_be);
-        return test_summary(PROGRAM);
+        return closed_summary();
     }
     if (qgemm_only) {
         /* `test_cuda qgemm`: the int8 GEMM's test alone */
         run_qgemm_test();
-        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
-        close_backend(&cpu_be);
-        return test_summary(PROGRAM);
+        return closed_summary();
     }
     if (conv_only) {
         /* `test_cuda conv`: Conv2D's implicit GEMMs alone */
         run_conv_tests();
         run_conv_model_test();
-        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
-        close_backend(&cpu_be);
-        return test_summary(PROGRAM);
+        return closed_summary();
     }
     if (attention_only) {
         /* `test_cuda attention`: MultiHeadAttention's tests alone */
         run_attention_test();
         run_attention_model_test();
-        for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
-        close_backend(&cpu_be);
-        return test_summary(PROGRAM);
+        return closed_summary();
     }
     if (!gemm_only) run_layer_tests();
     if (!layers_only) run_gemm_tests();
@@ -5343,7 +5343,5 @@ int main(int argc, char **argv) {
            (long long)mpt_cuda_gemm_runs(gpu_be[GPU_AUTO].impl, MPT_GEMM_CUBLASLT),
            mpt_cuda_wgmma_ready(gpu_be[GPU_AUTO].impl) ? "runs here" : "is not here");
 #endif
-    for (e = 0; e < N_GPU; e++) close_backend(&gpu_be[e]);
-    close_backend(&cpu_be);
-    return test_summary(PROGRAM);
+    return closed_summary();
 }

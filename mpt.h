@@ -455,6 +455,10 @@
        everywhere; where a field is required, the error names it. Where
        Keras gives 0 a meaning of its own (fit's epochs: train nothing),
        0 keeps that meaning and the field has no zero default.
+       Every product and the sum after it round twice, as written, under
+       any compiler or -march (the pragmas before @backend-shared, undone
+       at the file's end by MPT__CONTRACT_END); a fused multiply-add is
+       written as one (_mm512_fmadd_ps) where it is meant.
 
    PRIVATE PREFIXES: the families of mpt__ helpers, and where they live
        augment_ the draw and build both layers share   @impl-random-augment
@@ -5163,6 +5167,13 @@ static inline MPT__HD int mpt__activation_keeps_z(mpt_activation act) {
     return act == MPT_ACT_GELU || act == MPT_ACT_GELU_TANH;
 }
 
+/* Whether a product's epilogue applies act to each of its sums as it
+   stores them (bias, then act): one that keeps z stores z first, and
+   softmax needs a whole row. */
+static inline MPT__HD int mpt__activation_fuses(mpt_activation act) {
+    return !mpt__activation_keeps_z(act) && act != MPT_ACT_SOFTMAX;
+}
+
 /* The logistic sigmoid in two forms, so that exp never overflows. */
 static inline MPT__HD float mpt__sigmoid(float x) {
     float e;
@@ -6241,7 +6252,7 @@ static void mpt__conv2d_forward_rows(mpt__layer *L, const mpt__pass *p, const mp
                                      int64_t b0, int64_t n, const mpt__conv_out *o) {
     const int64_t rows = n * c->pix, ny = rows * c->f;
     const mpt_activation act = o->act;
-    const int fused = !mpt__activation_keeps_z(act) && act != MPT_ACT_SOFTMAX;
+    const int fused = mpt__activation_fuses(act);
     const unsigned char *x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c->es;
     unsigned char *y = (unsigned char *)o->y + (size_t)(b0 * c->pix * c->f) * c->es;
     mpt__ws w = {(unsigned char *)p->workspace};
@@ -6295,7 +6306,7 @@ static void mpt__conv2d_forward_batch(mpt__layer *L, const mpt__pass *p) {
     const mpt_activation act = mpt__pass_activation(p, L->desc.conv2d.activation);
     mpt__conv_plan c;
     mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
-    if (!mpt__activation_keeps_z(act) && act != MPT_ACT_SOFTMAX &&
+    if (mpt__activation_fuses(act) &&
         mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace, 0))
         return;
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
@@ -18971,9 +18982,7 @@ static void mpt__plan_weighted(mpt_model *m, mpt__predict_plan *pl, int i) {
         mpt__plan_conv_ws(m, s, L);
         return;
     }
-    if (L->dtype != MPT_FLOAT32 || L->pools_next || mpt__activation_keeps_z(act) ||
-        act == MPT_ACT_SOFTMAX)
-        return;
+    if (L->dtype != MPT_FLOAT32 || L->pools_next || !mpt__activation_fuses(act)) return;
     kk = L->param[0]->count / channels; /* the kernel's rows: kh·kw·C, or in */
     s->planned = 1;
     s->act = act;
@@ -31243,7 +31252,7 @@ static int mpt__dconv_takes(const mpt_conv_args *a, const mpt__dconv_job *j) {
     if (g->kh * g->kw * j->ic < 32) return 0;
     return j->tile && (a->input_grad ? g->c : a->f) >= 16 &&
            g->kh * g->kw <= MPT__DCONV_MAX_TAPS &&
-           (a->input_grad || (!mpt__activation_keeps_z(a->act) && a->act != MPT_ACT_SOFTMAX));
+           (a->input_grad || mpt__activation_fuses(a->act));
 }
 
 /* Defined below, in @impl-winograd. */
@@ -31261,7 +31270,7 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a);
 static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     const mpt_window *g = a->g;
-    const int fused_act = !mpt__activation_keeps_z(a->act) && a->act != MPT_ACT_SOFTMAX;
+    const int fused_act = mpt__activation_fuses(a->act);
     mpt__dconv_job j;
     int64_t t;
     int shallow;

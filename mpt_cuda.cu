@@ -3054,8 +3054,8 @@ static bool mpt__cuda_conv_takes(const mpt__cuda *c, const mpt_conv_args *a) {
     if (a->kernel_grad)
         return a->dz && a->dkernel && mpt__cuda_layers_aligned(a->x, 16) &&
                mpt__cuda_layers_aligned(a->dz, 16);
-    if (!a->input_grad && (mpt__activation_keeps_z(a->act) || a->act == MPT_ACT_SOFTMAX ||
-                           a->act < 0 || a->act >= MPT_ACT_COUNT_))
+    if (!a->input_grad && (!mpt__activation_fuses(a->act) || a->act < 0 ||
+                           a->act >= MPT_ACT_COUNT_))
         return false;
     return mpt__cuda_layers_aligned(a->x, 16) && mpt__cuda_layers_aligned(a->kernel, 16);
 }

@@ -440,6 +440,13 @@ typedef struct test_program {
     void (*cases)(void);      /* the cases (TEST_RUN, or loops of their own)     */
 } test_program;
 
+/* dir/name in buf, returned: a case's file in its program's tmpdir. */
+static inline const char *test_file_in(char *buf, size_t size, const char *dir,
+                                       const char *name) {
+    snprintf(buf, size, "%s/%s", dir, name);
+    return buf;
+}
+
 /* Runs a test program as p says and returns its exit status. */
 static inline int test_main(const test_program *p) {
     mpt_context_desc d;

@@ -24,6 +24,7 @@
 #include "helpers.h"
 
 static mpt_context *ctx;
+static char tmpdir[512]; /* the cases' files: test_main makes it and removes it */
 
 /* ---- the emulated device ---------------------------------------------------- */
 
@@ -1608,7 +1609,8 @@ static void test_fit_outputs_matches_the_cpu(void) {
 /* A checkpoint saved from the device and loaded on the CPU (and back)
    carries every weight, moment and counter; training on continues alike. */
 static void test_checkpoints_cross(void) {
-    const char *path = "build/test_backend.safetensors";
+    char path_buf[600];
+    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_backend.safetensors");
     mpt_context *dc = NULL;
     mpt_model *gpu, *cpu, *back;
     mpt_dataset *d_cpu, *d_gpu;
@@ -1985,9 +1987,7 @@ static void test_cpu_table_is_complete(void) {
     CHECK(!t->comm_create, "the CPU's table has collectives");
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
-    make_images();
+static void run_cases(void) {
     TEST_RUN(test_philox_known_answers);
     TEST_RUN(test_cpu_table_is_complete);
     TEST_RUN(test_fit_matches_the_cpu);
@@ -2005,6 +2005,12 @@ int main(void) {
     TEST_RUN(test_mirrored_on_two_devices);
     TEST_RUN(test_one_member_communicator);
     TEST_RUN(test_conv_chunk_follows_the_backend);
-    mpt_context_destroy(ctx);
-    return test_summary("test_backend");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_backend", .ctx = &ctx, .threads = 2,
+                                   .setup = make_images, .tmpdir = tmpdir,
+                                   .tmpdir_size = sizeof tmpdir,
+                                   .keep_env = "MPT_KEEP_TEST_FILES", .cases = run_cases};
+    return test_main(&p);
 }

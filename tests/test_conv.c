@@ -11,6 +11,7 @@
 #include "gradcheck.h"
 
 static mpt_context *ctx;
+static char tmpdir[512]; /* the cases' files: test_main makes it and removes it */
 
 /* ---- the reference: naive loops in double ----------------------------------- */
 
@@ -2343,7 +2344,8 @@ static mpt_model *plan_classifier(mpt_context *c, int64_t filters, int64_t side,
 /* m predicts on d the bits a fresh model given m's weights (through a
    file, which reads them without touching m's plan) predicts. */
 static int plan_as_fresh(mpt_context *c, mpt_model *m, mpt_dataset *d, int64_t batch) {
-    const char *path = "build/test_conv_plan.safetensors";
+    char path_buf[600];
+    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_conv_plan.safetensors");
     mpt_model *fresh = plan_classifier(c, 16, 6, batch);
     mpt_tensor pa, pb;
     int same = 0;
@@ -2572,9 +2574,7 @@ static void test_predict_threads(void) {
     mpt_context_destroy(one);
 }
 
-int main(void) {
-    mpt_context_create(&(mpt_context_desc){.num_threads = 2}, &ctx);
-    test_seed(3);
+static void run_cases(void) {
     TEST_RUN(test_conv_known_answer);
     TEST_RUN(test_pool_known_answer);
     TEST_RUN(test_output_shapes);
@@ -2598,6 +2598,11 @@ int main(void) {
     test_predict_plan_follows();
     test_predict_threads();
     test_predict_pair_kept();
-    mpt_context_destroy(ctx);
-    return test_summary("test_conv");
+}
+
+int main(void) {
+    static const test_program p = {.name = "test_conv", .ctx = &ctx, .threads = 2, .seed = 3,
+                                   .tmpdir = tmpdir, .tmpdir_size = sizeof tmpdir,
+                                   .keep_env = "MPT_KEEP_TEST_FILES", .cases = run_cases};
+    return test_main(&p);
 }

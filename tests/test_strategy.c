@@ -8,6 +8,7 @@
 #include "blobs.h"
 
 static mpt_context *ctx;
+static char tmpdir[512]; /* the cases' files: test_main makes it and removes it */
 
 static mpt_dataset *blobs(void) { return blobs_in(ctx); }
 
@@ -270,7 +271,8 @@ static void test_skips_are_global(void) {
 
 /* Evaluate, predict and checkpoints of a replicated model use replica 0. */
 static void test_evaluate_predict_checkpoint(void) {
-    const char *path = "build/test_strategy.safetensors";
+    char path_buf[600];
+    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_strategy.safetensors");
     mpt_dataset *d = blobs();
     mpt_strategy *s = mirrored(2);
     mpt_model *m = model(s, MPT_POLICY_FLOAT32, 1, MPT_OPTIMIZER_ADAM);
@@ -391,7 +393,8 @@ static void test_accumulation_across_replicas(void) {
    alone, masters edited and refreshed, EarlyStopping's best weights. The
    next epoch then goes on from them bit for bit as the saved run does. */
 static void test_loading_reaches_every_replica(void) {
-    const char *path = "build/test_strategy_replicas.safetensors";
+    char path_buf[600];
+    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_strategy_replicas.safetensors");
     mpt_dataset *d = blobs();
     mpt_strategy *s = mirrored(2);
     mpt_model *a = model(s, MPT_POLICY_MIXED_FLOAT16, 1, MPT_OPTIMIZER_ADAM);
@@ -448,6 +451,8 @@ static void run_cases(void) {
 
 int main(void) {
     static const test_program p = {.name = "test_strategy", .ctx = &ctx, .threads = 2,
-                                   .setup = make_blobs, .cases = run_cases};
+                                   .setup = make_blobs, .tmpdir = tmpdir,
+                                   .tmpdir_size = sizeof tmpdir, .keep_env = "MPT_KEEP_TEST_FILES",
+                                   .cases = run_cases};
     return test_main(&p);
 }

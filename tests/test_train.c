@@ -7,6 +7,7 @@
 #include "helpers.h"
 
 static mpt_context *ctx;
+static char tmpdir[512]; /* the cases' files: test_main makes it and removes it */
 
 /* ---- small synthetic data -------------------------------------------------------- */
 
@@ -1345,7 +1346,8 @@ static void test_top_k_of_one_hot_targets(void) {
 static void test_reproducible_and_resumable(void) {
     static float x[N_SYN * FEATURES];
     static int32_t y[N_SYN];
-    const char *path = "build/test_train_resume.safetensors";
+    char path_buf[600];
+    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_train_resume.safetensors");
     mpt_dataset *d;
     mpt_model *a, *b, *c;
     make_blobs(x, y, N_SYN, 2);
@@ -2672,8 +2674,10 @@ static int same_sums(const mpt_model *a, const mpt_model *b) {
 static void test_accumulation_resume_mid_cycle(void) {
     static float x[N_SYN * FEATURES];
     static int32_t y[N_SYN];
-    const char *path = "build/test_train_accum.safetensors";
-    const char *plain = "build/test_train_accum_plain.safetensors";
+    char path_buf[600];
+    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_train_accum.safetensors");
+    char plain_buf[600];
+    const char *plain = test_file_in(plain_buf, sizeof plain_buf, tmpdir, "test_train_accum_plain.safetensors");
     mpt_context *q = quiet_ctx();
     mpt_dataset *d;
     mpt_model *a, *b, *c, *old;
@@ -2817,6 +2821,8 @@ static void run_cases(void) {
 
 int main(void) {
     static const test_program p = {.name = "test_train", .ctx = &ctx, .threads = 2,
+                                   .tmpdir = tmpdir,
+                                   .tmpdir_size = sizeof tmpdir, .keep_env = "MPT_KEEP_TEST_FILES",
                                    .cases = run_cases};
     return test_main(&p);
 }

@@ -136,22 +136,42 @@ static int allows_tf32(const mpt_context *ctx) {
 #endif
 }
 
-/* The rest of the provenance: the GPU (mpt device 1), the date, and
-   whether float32 ran in TF32. */
+/* The settings that change which path a measurement took, as
+   "NAME=value" separated by spaces ("" when none is set). */
+static void path_settings(char *out, size_t size) {
+    static const char *const names[] = {"MPT_CUDA_CONV", "MPT_CUDA_GRAPHS", "MPT_RESIDENT",
+                                        "MPT_UPLOAD_BYTES", "MPT_GEMM", "MPT_GEMM_AUTO_WGMMA",
+                                        "MPT_GEMM_CHOICES", "MPT_ALLOW_TF32", "MPT_CUDA_GEMM_TILE",
+                                        "MPT_CUDA_INDEX64"};
+    size_t i, n = 0;
+    out[0] = '\0';
+    for (i = 0; i < sizeof names / sizeof names[0] && n < size; i++) {
+        const char *v = getenv(names[i]);
+        if (v) n += (size_t)snprintf(out + n, size - n, "%s%s=%.40s", n ? " " : "", names[i], v);
+    }
+    for (i = 0; out[i]; i++) /* kept a JSON string whatever the values hold */
+        if (out[i] == '"' || out[i] == '\\' || (unsigned char)out[i] < 0x20) out[i] = '?';
+}
+
+/* The rest of the provenance: the GPU (mpt device 1), the date, whether
+   float32 ran in TF32, and the path settings (path_settings). */
 static void record_provenance(mpt_context *ctx) {
+    char settings[256];
     mpt_device_info d;
     char date[32];
     time_t now = time(NULL);
     size_t n = strlen(provenance);
     strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+    path_settings(settings, sizeof settings);
     if (mpt_device_query(ctx, 1, &d) != MPT_OK) {
         memset(&d, 0, sizeof d);
         snprintf(d.name, sizeof d.name, "?");
     }
     snprintf(provenance + n, sizeof provenance - n,
              ",\"device\":\"%s\",\"compute\":\"sm_%d%d\",\"driver\":%d,\"runtime\":%d,"
-             "\"date\":\"%s\",\"tf32\":%d", d.name, d.compute_major, d.compute_minor,
-             d.driver_version, d.runtime_version, date, allows_tf32(ctx));
+             "\"date\":\"%s\",\"tf32\":%d,\"settings\":\"%s\"", d.name, d.compute_major,
+             d.compute_minor, d.driver_version, d.runtime_version, date, allows_tf32(ctx),
+             settings);
 }
 
 /* GEMM shapes cuBLASLt refused on ctx's CUDA backend (each logged once

@@ -4015,10 +4015,12 @@ static void test_model_profiled(void) {
     snprintf(dir, sizeof dir, "%s/mpt_test_cuda_%ld_profile", tmp && *tmp ? tmp : "/tmp",
              (long)getpid());
     make_blobs();
+    gemm_choices_begin("profile");
     train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, off, NULL);
     blobs_profile_dir = dir;
     train_blobs(NULL, MPT_POLICY_MIXED_FLOAT16, 3, on, NULL);
     blobs_profile_dir = NULL;
+    gemm_choices_end();
     CHECK(same_file(off, on), "profiled weights differ from unprofiled ones (%s, %s)", on, off);
     snprintf(cmd, sizeof cmd, "find '%s' -name '*.trace.json'", dir);
     p = popen(cmd, "r");

@@ -675,6 +675,94 @@ static void bench_train(mpt_context *ctx, const mpt_dataset *all, int synthetic)
     for (j = 0; j < n_json; j++) print_json(json[j]);
 }
 
+/* ---- (b2) Conv2D's two paths side by side ---------------------------------------------- */
+
+/* The cnn in mixed_float16, trained on two contexts: one with Conv2D's
+   implicit GEMMs (the default), one with $MPT_CUDA_CONV=im2col (read when
+   a context opens). ROUNDS one-epoch fits each, the first path of a round
+   alternating, so that a drift of the GPU's clocks falls on both: each
+   path's median samples/s and implicit / im2col. */
+#define ROUNDS 5
+
+static void bench_conv_paths(const char *dir) {
+    static const char *const paths[2] = {"implicit", "im2col"};
+    static const int64_t batches[2] = {128, 1024};
+    const char *env = getenv("MPT_CUDA_CONV");
+    char *saved = env ? strdup(env) : NULL;
+    mpt_context *c[2] = {NULL, NULL};
+    mpt_dataset *all[2] = {NULL, NULL};
+    char json[2][512];
+    int synthetic = 0, p, bi, r, n_json = 0;
+    for (p = 0; p < 2; p++) {
+        setenv("MPT_CUDA_CONV", paths[p], 1);
+        if (open_context(MPT_GEMM_AUTO, &c[p])) all[p] = training_data(c[p], dir, &synthetic);
+    }
+    if (saved) setenv("MPT_CUDA_CONV", saved, 1);
+    else unsetenv("MPT_CUDA_CONV");
+    free(saved);
+    if (!all[0] || !all[1]) {
+        fprintf(stderr, "bench_cuda: conv: cannot open the two contexts or their data\n");
+        goto done;
+    }
+    printf("\n## Conv2D's implicit GEMMs against im2col (cnn, mixed_float16, median of %d)\n\n",
+           ROUNDS);
+    printf("| batch | implicit samples/s | im2col samples/s | implicit / im2col |\n");
+    printf("|---:|---:|---:|---:|\n");
+    for (bi = 0; bi < 2; bi++) {
+        mpt_dataset *view[2] = {NULL, NULL}, *warm_view[2] = {NULL, NULL};
+        const mpt_dataset *data[2], *warmup[2];
+        mpt_model *m[2] = {NULL, NULL};
+        double sps[2][ROUNDS], med[2];
+        mpt_fit_desc fd;
+        mpt_status s = MPT_OK;
+        memset(&fd, 0, sizeof fd);
+        fd.epochs = 1;
+        fd.batch_size = batches[bi];
+        for (p = 0; p < 2; p++) {
+            data[p] = first_samples(c[p], all[p], 25600, &view[p]);
+            warmup[p] = first_samples(c[p], all[p], 8 * batches[bi], &warm_view[p]);
+            if (s == MPT_OK)
+                s = make_train_model(c[p], add_model[1], MPT_POLICY_MIXED_FLOAT16, batches[bi],
+                                     &m[p]);
+            if (s == MPT_OK) s = mpt_model_fit(m[p], warmup[p], &fd);
+        }
+        for (r = 0; s == MPT_OK && r < ROUNDS; r++)
+            for (p = 0; s == MPT_OK && p < 2; p++) {
+                const int q = (r + p) % 2;
+                s = mpt_model_fit(m[q], data[q], &fd);
+                sps[q][r] = history_last(m[q], "samples_per_second");
+            }
+        if (s != MPT_OK) {
+            fprintf(stderr, "bench_cuda: conv batch %lld: %s / %s\n", (long long)batches[bi],
+                    mpt_context_error(c[0]), mpt_context_error(c[1]));
+        } else {
+            for (p = 0; p < 2; p++) med[p] = median(sps[p], ROUNDS);
+            printf("| %lld | %.0f | %.0f | %.3f |\n", (long long)batches[bi], med[0], med[1],
+                   med[0] / med[1]);
+            snprintf(json[n_json++], sizeof json[0],
+                     "{\"bench\":\"cuda_conv_paths\",\"model\":\"cnn\",\"policy\":"
+                     "\"mixed_float16\",\"batch\":%lld,\"samples\":%lld,\"data\":\"%s\","
+                     "\"rounds\":%d,\"implicit_samples_per_s\":%.1f,"
+                     "\"im2col_samples_per_s\":%.1f,\"implicit_over_im2col\":%.3f}",
+                     (long long)batches[bi], (long long)mpt_dataset_count(data[0]),
+                     synthetic ? "synthetic" : "fashion-mnist", ROUNDS, med[0], med[1],
+                     med[0] / med[1]);
+        }
+        for (p = 0; p < 2; p++) {
+            mpt_model_destroy(m[p]);
+            mpt_dataset_destroy(view[p]);
+            mpt_dataset_destroy(warm_view[p]);
+        }
+    }
+    printf("\n");
+    for (r = 0; r < n_json; r++) print_json(json[r]);
+done:
+    for (p = 0; p < 2; p++) {
+        mpt_dataset_destroy(all[p]);
+        mpt_context_destroy(c[p]);
+    }
+}
+
 /* ---- (c) the large MLP: speed and memory ------------------------------------------------- */
 
 #define MAX_CATEGORIES 8
@@ -768,8 +856,8 @@ int main(int argc, char **argv) {
     char dev[512];
     int synthetic = 0, i;
     if (strcmp(part, "all") && strcmp(part, "gemm") && strcmp(part, "train") &&
-        strcmp(part, "large") && strcmp(part, "int8")) {
-        fprintf(stderr, "usage: %s [all|gemm|train|large|int8]\n", argv[0]);
+        strcmp(part, "conv") && strcmp(part, "large") && strcmp(part, "int8")) {
+        fprintf(stderr, "usage: %s [all|gemm|train|conv|large|int8]\n", argv[0]);
         return 2;
     }
     if (!open_context(MPT_GEMM_AUTO, &ctx)) {
@@ -814,6 +902,7 @@ int main(int argc, char **argv) {
             return 1;
         }
         if (!strcmp(part, "all") || !strcmp(part, "train")) bench_train(ctx, all, synthetic);
+        if (!strcmp(part, "all") || !strcmp(part, "conv")) bench_conv_paths(dir);
         if (!strcmp(part, "all") || !strcmp(part, "large")) bench_large(ctx, all);
     }
     /* a shape cuBLASLt refused ran on the hand-written engine instead */

@@ -21,6 +21,13 @@ time over mpt.h's (above 1: mpt.h is faster), from the medians.
     bench/compare_deploy.sh [--models mlp cnn_small cnn resnet] [--rounds 5]
         [--reps 20] [--reps1 200] [--train-samples N --weights-dir DIR]
 
+Two diagnostics of the batch-1 cells, whose 10-50 us calls swing with
+the machine's state: --settle S sleeps S seconds before every round (so
+that another runtime's threads have gone idle), and --alone NAME times
+only NAME (mpt, onnxruntime or litert) after a first full round, the
+others loaded and warm but idle; its cells carry "alone" and NAME's
+figures only.
+
 --train-samples N trains a model that has no saved weights on the first N
 training images only: a smoke run that proves every cell runs (give it a
 --weights-dir of its own, so that its weights are not the table's).
@@ -127,6 +134,10 @@ def main():
     p.add_argument("--reps", type=int, default=20, help="batch-size calls a round")
     p.add_argument("--reps1", type=int, default=200, help="batch-1 calls a round")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds of idle before each round")
+    p.add_argument("--alone", choices=("mpt", "onnxruntime", "litert"),
+                   help="after the first round, time only this side")
     p.add_argument("--train-samples", type=int, default=0,
                    help="train a model without saved weights on this many images (0: all)")
     a = p.parse_args()
@@ -159,9 +170,16 @@ def main():
                 order = list(callers)
                 for r in range(a.rounds):
                     for name in order[r % 3:] + order[:r % 3]:
+                        if a.alone and r > 0 and name != a.alone:
+                            continue
+                        time.sleep(a.settle)
                         runs[name].append(callers[name]())
+                if a.alone:
+                    runs = {a.alone: runs[a.alone][1:]}
                 cell = {"bench": "deploy", "model": model, "variant": variant, "batch": batch,
                         "threads": a.threads, "rounds": a.rounds, "calls_per_round": reps}
+                if a.alone:
+                    cell["alone"] = a.alone
                 for name, rounds in runs.items():
                     if batch == 1:
                         every = [t for rnd in rounds for t in rnd]
@@ -171,9 +189,11 @@ def main():
                         med = statistics.median(statistics.median(rnd) for rnd in rounds)
                         cell[f"{name}_median_ms"] = round(1e3 * med, 4)
                         cell[f"{name}_samples_per_s"] = round(batch / med, 1)
-                faster = min(("onnxruntime", "litert"), key=lambda n: cell[f"{n}_median_ms"])
-                cell["faster_runtime"] = faster
-                cell["ratio"] = round(cell[f"{faster}_median_ms"] / cell["mpt_median_ms"], 3)
+                if not a.alone:
+                    faster = min(("onnxruntime", "litert"),
+                                 key=lambda n: cell[f"{n}_median_ms"])
+                    cell["faster_runtime"] = faster
+                    cell["ratio"] = round(cell[f"{faster}_median_ms"] / cell["mpt_median_ms"], 3)
                 cells.append(cell)
                 print(json.dumps(cell), file=sys.stderr, flush=True)
         mpt.close()
@@ -187,13 +207,17 @@ def main():
     print("| model | variant | batch | mpt.h | ONNX Runtime | LiteRT | faster runtime / mpt.h |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for c in cells:
-        if c["batch"] == 1:
-            fmt = [f"{c[n + '_median_ms']:.3f} ms (p99 {c[n + '_p99_ms']:.3f})"
-                   for n in ("mpt", "onnxruntime", "litert")]
-        else:
-            fmt = [f"{c[n + '_samples_per_s']:,.0f}/s" for n in ("mpt", "onnxruntime", "litert")]
+        fmt = []
+        for n in ("mpt", "onnxruntime", "litert"):
+            if n + "_median_ms" not in c:
+                fmt.append("(idle)")
+            elif c["batch"] == 1:
+                fmt.append(f"{c[n + '_median_ms']:.3f} ms (p99 {c[n + '_p99_ms']:.3f})")
+            else:
+                fmt.append(f"{c[n + '_samples_per_s']:,.0f}/s")
+        ratio = f"{c['ratio']:.2f}x" if "ratio" in c else "-"
         print(f"| {c['model']} | {c['variant']} | {c['batch']} | {fmt[0]} | {fmt[1]} | {fmt[2]} "
-              f"| {c['ratio']:.2f}x |")
+              f"| {ratio} |")
     print()
     for c in cells:
         print(json.dumps(c))

@@ -39,6 +39,7 @@
 #include "mpt.h"
 #include "../examples/resnet20.h" /* ResNet-20's layers, for common.h */
 #include "common.h"
+#include "peak.h"
 
 #define CHECK(call)                                                                     \
     do {                                                                                \
@@ -151,17 +152,27 @@ static mpt_status export_variants(mpt_context *ctx, mpt_model **models, const ch
     return s;
 }
 
-/* --serve: "VARIANT BATCH REPS" lines answered with each predict's seconds. */
+/* --serve: "VARIANT BATCH REPS" lines answered with each predict's seconds;
+   a "peak" line with the FMA peak (bench/peak.h) of one thread and of the
+   context's threads, in GFLOP/s: whether they ran on as many cores. */
 static void serve(mpt_context *ctx, mpt_model **models, const mpt_dataset *one,
                   const mpt_dataset *batch) {
     static double t[MAX_REPS];
+    const int lanes = mpt_context_cpu_features(ctx) & MPT_CPU_AVX512 ? 16 : 8;
     char line[256], name[64];
     long long images;
     int reps, v, r;
-    while (fgets(line, sizeof line, stdin) &&
-           sscanf(line, "%63s %lld %d", name, &images, &reps) == 3) {
-        const mpt_dataset *d = images == 1 ? one : batch;
+    while (fgets(line, sizeof line, stdin)) {
+        const mpt_dataset *d;
         mpt_model *m = NULL;
+        if (!strncmp(line, "peak", 4)) {
+            printf("%.1f %.1f\n", measure_peak_iters(ctx, lanes, 500000L, 1),
+                   measure_peak_iters(ctx, lanes, 500000L, ctx->num_threads));
+            fflush(stdout);
+            continue;
+        }
+        if (sscanf(line, "%63s %lld %d", name, &images, &reps) != 3) break;
+        d = images == 1 ? one : batch;
         if (reps > MAX_REPS) reps = MAX_REPS;
         for (v = 0; v < VARIANTS; v++)
             if (!strcmp(name, variant_names[v])) m = models[v];

@@ -16,7 +16,11 @@ test images:
     median over rounds.
 
 Warm-up calls are excluded. The ratio of a cell is the faster runtime's
-time over mpt.h's (above 1: mpt.h is faster), from the medians.
+time over mpt.h's (above 1: mpt.h is faster), from the medians. Before
+and after each cell, two threads' FMA peak over one thread's
+("cores_seen"): about 2 where the host gave the two threads two cores,
+about 1 where it gave them one core's worth, as it sometimes does; a
+cell measured at about 1 is not comparable with one at about 2.
 
     bench/compare_deploy.sh [--models mlp cnn_small cnn resnet] [--rounds 5]
         [--reps 20] [--reps1 200] [--train-samples N --weights-dir DIR]
@@ -74,6 +78,14 @@ class MptServer:
         if not values or values[0] < 0:
             raise RuntimeError(f"bench_predict: {variant} at batch {batch} failed")
         return values
+
+    def cores(self):
+        """Two threads' FMA peak over one thread's (bench/peak.h): about 2
+        where the two run on two cores, about 1 where they share one."""
+        self.proc.stdin.write("peak\n")
+        self.proc.stdin.flush()
+        one, both = (float(v) for v in self.proc.stdout.readline().split())
+        return round(both / one, 2)
 
     def close(self):
         self.proc.stdin.close()
@@ -168,6 +180,7 @@ def main():
                 mpt.times(variant, batch, a.warmup)
                 runs = {k: [] for k in callers}
                 order = list(callers)
+                cores_before = mpt.cores()
                 for r in range(a.rounds):
                     for name in order[r % 3:] + order[:r % 3]:
                         if a.alone and r > 0 and name != a.alone:
@@ -177,7 +190,8 @@ def main():
                 if a.alone:
                     runs = {a.alone: runs[a.alone][1:]}
                 cell = {"bench": "deploy", "model": model, "variant": variant, "batch": batch,
-                        "threads": a.threads, "rounds": a.rounds, "calls_per_round": reps}
+                        "threads": a.threads, "rounds": a.rounds, "calls_per_round": reps,
+                        "cores_seen": [cores_before, mpt.cores()]}
                 if a.alone:
                     cell["alone"] = a.alone
                 for name, rounds in runs.items():
@@ -204,8 +218,9 @@ def main():
           f"{platform.processor() or platform.machine()}, {a.threads} threads, "
           f"{a.rounds} rounds, load average {os.getloadavg()[0]:.2f}")
     print()
-    print("| model | variant | batch | mpt.h | ONNX Runtime | LiteRT | faster runtime / mpt.h |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| model | variant | batch | mpt.h | ONNX Runtime | LiteRT | faster runtime / mpt.h "
+          "| cores seen |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for c in cells:
         fmt = []
         for n in ("mpt", "onnxruntime", "litert"):
@@ -216,8 +231,9 @@ def main():
             else:
                 fmt.append(f"{c[n + '_samples_per_s']:,.0f}/s")
         ratio = f"{c['ratio']:.2f}x" if "ratio" in c else "-"
+        seen = "–".join(f"{v:.1f}" for v in c["cores_seen"])
         print(f"| {c['model']} | {c['variant']} | {c['batch']} | {fmt[0]} | {fmt[1]} | {fmt[2]} "
-              f"| {ratio} |")
+              f"| {ratio} | {seen} |")
     print()
     for c in cells:
         print(json.dumps(c))

@@ -41,20 +41,7 @@ static double measure_peak(mpt_context *ctx, int lanes) {
    away now and then, the time this thread ran rather than the time it
    waited too. ctx has one thread: the loop runs on the caller. */
 static double measure_peak_cpu(mpt_context *ctx, int lanes) {
-    peak_job j;
-    double best = 0;
-    int rep;
-    j.lanes = lanes;
-    j.iters = PEAK_ITERS;
-    for (rep = 0; rep < 3; rep++) {
-        double t = clock_seconds(CLOCK_THREAD_CPUTIME_ID), s;
-        peak_task(&j, 0, 0);
-        s = clock_seconds(CLOCK_THREAD_CPUTIME_ID) - t;
-        if (2.0 * lanes * 16.0 * PEAK_ITERS / s * 1e-9 > best)
-            best = 2.0 * lanes * 16.0 * PEAK_ITERS / s * 1e-9;
-    }
-    (void)ctx;
-    return best;
+    return measure_peak_on(ctx, lanes, PEAK_ITERS, 1, CLOCK_THREAD_CPUTIME_ID);
 }
 
 /* best_seconds over the calling thread's CPU time (a one-thread context's

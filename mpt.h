@@ -38056,7 +38056,6 @@ static mpt_status mpt__quantize_check(mpt_model *m, mpt_quantize_desc *d) {
     return mpt__check_samples(m, d->representative_data, "quantize: representative_data");
 }
 
-/* The quantized model's own: its operations and tensors. */
 /* What op keeps in memory besides its file's bytes
    (mpt_quantized_info.kept_bytes): float16's kept Dense kernel and
    widened Conv2D kernel; the int8 modes' weights packed for the int8
@@ -38073,11 +38072,12 @@ static int64_t mpt__qop_kept_bytes(const mpt__qop *op) {
     }
     if (op->mult) bytes += 8 * N; /* mult and shift */
     if (op->channel_lut) bytes += 256 * C;
-    if (op->chain_lut) bytes += 256 * C + 4;
+    if (op->chain_lut) bytes += 256 * C + 4; /* + 4: as allocated, for a gather */
     if (op->pair_lut) bytes += 256 * 256 + 4;
     return bytes;
 }
 
+/* The quantized model's own: its operations and tensors. */
 static mpt_status mpt__quantize_build(mpt_model *m, const mpt_quantize_desc *d,
                                       mpt__quantized *Q) {
     mpt_status s;

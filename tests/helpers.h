@@ -524,19 +524,35 @@ static inline unsigned char *test_read_file(const char *path, long *n) {
 }
 
 /* Every parameter's float32 values, in the model's order, into w (room
-   for size floats); the test fails where they do not fit. */
-static inline void test_weights_of(mpt_model *m, float *w, int64_t size) {
+   for size floats), read through context c's backend where they live in
+   a device's memory (a model on a GPU); c may be NULL for a model on the
+   CPU. How many there are; the test fails where they do not fit. */
+static inline int64_t test_weights_in(mpt_context *c, mpt_model *m, float *w, int64_t size) {
+    void *impl = NULL;
+    const mpt_backend *t = c ? mpt_context_backend(c, &impl) : NULL;
     int64_t at = 0;
     int p;
+    if (t) CHECK(t->sync(impl) == MPT_OK, "sync: %s", t->error(impl));
     for (p = 0; p < mpt_model_param_count(m); p++) {
         mpt_param_info info;
         int64_t count;
         mpt_model_param(m, p, &info);
         count = mpt_tensor_count(&info.value);
-        if (at + count <= size) memcpy(w + at, info.value.data, sizeof(float) * (size_t)count);
+        if (at + count <= size && info.value.device == MPT_DEVICE_CPU)
+            memcpy(w + at, info.value.data, sizeof(float) * (size_t)count);
+        else if (at + count <= size)
+            CHECK(t && t->download(impl, w + at, info.value.data,
+                                   mpt_tensor_bytes(&info.value)) == MPT_OK,
+                  "download %s: %s", info.name, t ? t->error(impl) : "no context given");
         at += count;
     }
     CHECK(at <= size, "%lld weights, room for %lld", (long long)at, (long long)size);
+    return at;
+}
+
+/* The same for a model on the CPU. */
+static inline void test_weights_of(mpt_model *m, float *w, int64_t size) {
+    test_weights_in(NULL, m, w, size);
 }
 
 /* a and b hold the same float32 weights, bit for bit, and at least one:

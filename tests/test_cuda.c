@@ -3333,33 +3333,6 @@ static double train_blobs(const char *graphs, mpt_policy policy, int epochs, con
     return acc;
 }
 
-/* The model's float32 weights in parameter order, copied into w (room
-   floats) from wherever they live: a model on the GPU keeps them in
-   device memory, which the host cannot read directly. How many there
-   are (more than room: only the first room copied, and a CHECK fails). */
-static int64_t weights_on_host(mpt_context *c, mpt_model *m, float *w, int64_t room) {
-    void *impl;
-    const mpt_backend *t = mpt_context_backend(c, &impl);
-    int64_t at = 0;
-    int p;
-    CHECK(t->sync(impl) == MPT_OK, "sync: %s", t->error(impl));
-    for (p = 0; p < mpt_model_param_count(m); p++) {
-        mpt_param_info info;
-        int64_t count;
-        mpt_model_param(m, p, &info);
-        count = mpt_tensor_count(&info.value);
-        if (at + count <= room && info.value.device == MPT_DEVICE_CPU)
-            memcpy(w + at, info.value.data, mpt_tensor_bytes(&info.value));
-        else if (at + count <= room)
-            CHECK(t->download(impl, w + at, info.value.data, mpt_tensor_bytes(&info.value)) ==
-                      MPT_OK,
-                  "download %s: %s", info.name, t->error(impl));
-        at += count;
-    }
-    CHECK(at <= room, "%lld weights, room for %lld", (long long)at, (long long)room);
-    return at;
-}
-
 /* Whether two files hold the same bytes. */
 static int same_file(const char *a, const char *b) {
     FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
@@ -3655,7 +3628,7 @@ static mpt_status train_two_inputs(mpt_context *c, float *w, int64_t room) {
     }
     if (st == MPT_OK) st = mpt_dataset_create(c, &ds, &d);
     if (st == MPT_OK) st = mpt_model_fit(m, d, &fd);
-    if (st == MPT_OK) weights_on_host(c, m, w, room);
+    if (st == MPT_OK) test_weights_in(c, m, w, room);
     mpt_model_destroy(m);
     mpt_dataset_destroy(d);
     return st;
@@ -3752,13 +3725,13 @@ static mpt_status train_cnn(mpt_context *c, float *w0, float *w) {
         st = mpt_model_compile(m, &comp);
     }
     if (st == MPT_OK) st = mpt_model_build(m, 32);
-    if (st == MPT_OK) weights_on_host(c, m, w0, CNN_WEIGHTS);
+    if (st == MPT_OK) test_weights_in(c, m, w0, CNN_WEIGHTS);
     memset(&ds, 0, sizeof ds);
     ds.x = &tx;
     ds.y = &ty;
     if (st == MPT_OK) st = mpt_dataset_create(c, &ds, &d);
     if (st == MPT_OK) st = mpt_model_fit(m, d, &fd);
-    if (st == MPT_OK) weights_on_host(c, m, w, CNN_WEIGHTS);
+    if (st == MPT_OK) test_weights_in(c, m, w, CNN_WEIGHTS);
     mpt_model_destroy(m);
     mpt_dataset_destroy(d);
     return st;
@@ -3886,7 +3859,7 @@ static mpt_status train_two_outputs(mpt_context *c, float *w, int64_t room, doub
     if (st == MPT_OK) st = mpt_model_fit(m, d, &fd);
     if (st == MPT_OK) st = mpt_model_evaluate(m, d, NULL, &logs);
     for (i = 0; st == MPT_OK && i < 5; i++) values[i] = mpt_logs_get(&logs, two_output_keys[i]);
-    if (st == MPT_OK) weights_on_host(c, m, w, room);
+    if (st == MPT_OK) test_weights_in(c, m, w, room);
     mpt_model_destroy(m);
     mpt_dataset_destroy(d);
     return st;

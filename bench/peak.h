@@ -52,7 +52,8 @@ MPT__TARGET_AVX2 static void peak_avx2(long iters) {
    at the same rate). */
 #define PEAK_DPBF16(c, x, y) _mm512_dpbf16_ps(c, x, y)
 MPT__TARGET_AVX512_BF16 static void peak_avx512_bf16(long iters) {
-    const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x33d633d6);
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80),
+                   y = (__m512bh)_mm512_set1_epi32(0x33d633d6);
     __m512 c0 = _mm512_set1_ps(0), c1 = _mm512_set1_ps(1), c2 = _mm512_set1_ps(2),
            c3 = _mm512_set1_ps(3), c4 = _mm512_set1_ps(4), c5 = _mm512_set1_ps(5),
            c6 = _mm512_set1_ps(6), c7 = _mm512_set1_ps(7), c8 = _mm512_set1_ps(8),

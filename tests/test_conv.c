@@ -2345,7 +2345,8 @@ static mpt_model *plan_classifier(mpt_context *c, int64_t filters, int64_t side,
    file, which reads them without touching m's plan) predicts. */
 static int plan_as_fresh(mpt_context *c, mpt_model *m, mpt_dataset *d, int64_t batch) {
     char path_buf[600];
-    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_conv_plan.safetensors");
+    const char *path = 
+        test_file_in(path_buf, sizeof path_buf, tmpdir, "test_conv_plan.safetensors");
     mpt_model *fresh = plan_classifier(c, 16, 6, batch);
     mpt_tensor pa, pb;
     int same = 0;

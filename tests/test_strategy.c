@@ -394,7 +394,8 @@ static void test_accumulation_across_replicas(void) {
    next epoch then goes on from them bit for bit as the saved run does. */
 static void test_loading_reaches_every_replica(void) {
     char path_buf[600];
-    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_strategy_replicas.safetensors");
+    const char *path = 
+        test_file_in(path_buf, sizeof path_buf, tmpdir, "test_strategy_replicas.safetensors");
     mpt_dataset *d = blobs();
     mpt_strategy *s = mirrored(2);
     mpt_model *a = model(s, MPT_POLICY_MIXED_FLOAT16, 1, MPT_OPTIMIZER_ADAM);

@@ -1347,7 +1347,8 @@ static void test_reproducible_and_resumable(void) {
     static float x[N_SYN * FEATURES];
     static int32_t y[N_SYN];
     char path_buf[600];
-    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_train_resume.safetensors");
+    const char *path = 
+        test_file_in(path_buf, sizeof path_buf, tmpdir, "test_train_resume.safetensors");
     mpt_dataset *d;
     mpt_model *a, *b, *c;
     make_blobs(x, y, N_SYN, 2);
@@ -2675,9 +2676,11 @@ static void test_accumulation_resume_mid_cycle(void) {
     static float x[N_SYN * FEATURES];
     static int32_t y[N_SYN];
     char path_buf[600];
-    const char *path = test_file_in(path_buf, sizeof path_buf, tmpdir, "test_train_accum.safetensors");
+    const char *path = 
+        test_file_in(path_buf, sizeof path_buf, tmpdir, "test_train_accum.safetensors");
     char plain_buf[600];
-    const char *plain = test_file_in(plain_buf, sizeof plain_buf, tmpdir, "test_train_accum_plain.safetensors");
+    const char *plain = 
+        test_file_in(plain_buf, sizeof plain_buf, tmpdir, "test_train_accum_plain.safetensors");
     mpt_context *q = quiet_ctx();
     mpt_dataset *d;
     mpt_model *a, *b, *c, *old;

@@ -6025,19 +6025,19 @@ typedef struct mpt__im2col_job {
     float *dx;                /* col2im: (n, H, W, C) float32                  */
     mpt_dtype dtype;          /* col2im: dtype of out (float32: out is dx)     */
     void *out;                /* col2im: (n, H, W, C) the result, in dtype     */
+    int64_t rows, task_rows;  /* the rows a pass makes, and a task's share     */
 } mpt__im2col_job;
 
-/* Output row oy of sample b: copies its windows into their rows of cols.
-   A window row inside the image is kw·C contiguous elements: one memcpy. */
-static void mpt__im2col_task(void *arg, int64_t task, int thread) {
-    const mpt__im2col_job *j = (const mpt__im2col_job *)arg;
+/* Output row oy of sample b (row = b·OH + oy of the pass): copies its
+   windows into their rows of cols. A window row inside the image is kw·C
+   contiguous elements: one memcpy. */
+static void mpt__im2col_row(const mpt__im2col_job *j, int64_t row) {
     const mpt__win *g = j->g;
-    const int64_t b = task / g->oh, oy = task % g->oh, y0 = oy * g->sh - g->top;
+    const int64_t b = row / g->oh, oy = row % g->oh, y0 = oy * g->sh - g->top;
     const size_t pixel = (size_t)g->c * j->es, run = (size_t)g->kw * pixel;
     const unsigned char *x = j->x + (size_t)(b * g->h * g->w) * pixel;
-    unsigned char *dst = j->cols + (size_t)(task * g->ow * g->kh) * run;
+    unsigned char *dst = j->cols + (size_t)(row * g->ow * g->kh) * run;
     int64_t ox, i, k;
-    (void)thread;
     for (ox = 0; ox < g->ow; ox++) {
         const int64_t x0 = ox * g->sw - g->left;
         for (i = 0; i < g->kh; i++, dst += run) {
@@ -6062,23 +6062,23 @@ static void mpt__im2col_task(void *arg, int64_t task, int thread) {
 
 /* Defined below, in @impl-layer-kernels. */
 static void mpt__add_f32(int cpu, float *to, const float *from, int64_t n);
+/* Defined below, in @impl-cpu-backend: the rows an elementwise task takes. */
+static int64_t mpt__elementwise_task_rows(int64_t cols);
 
-/* Input row y of sample b's dx: the entries of dcols copied from it, added
-   output pixel after output pixel (the same sums whichever thread runs
-   it), then stored in the compute dtype. Row by row, not window by window,
-   so that tasks never write the same pixel. */
-static void mpt__col2im_task(void *arg, int64_t task, int thread) {
-    const mpt__im2col_job *j = (const mpt__im2col_job *)arg;
+/* Input row y of sample b's dx (row = b·H + y of the pass): the entries
+   of dcols copied from it, added output pixel after output pixel (the same
+   sums whichever thread runs it), then stored in the compute dtype. Row by
+   row, not window by window, so that tasks never write the same pixel. */
+static void mpt__col2im_row(const mpt__im2col_job *j, int64_t row) {
     const mpt__win *g = j->g;
-    const int64_t b = task / g->h, y = task % g->h, run = g->kw * g->c, n_row = g->w * g->c;
+    const int64_t b = row / g->h, y = row % g->h, run = g->kw * g->c, n_row = g->w * g->c;
     /* the output rows whose windows cover y: oy·sh − top ≤ y < oy·sh − top + kh */
     const int64_t lo = y + g->top - g->kh + 1;
     const int64_t oy0 = lo <= 0 ? 0 : (lo + g->sh - 1) / g->sh;
     const int64_t oy1 = MPT__MIN(g->oh - 1, (y + g->top) / g->sh);
-    float *dx = j->dx + task * n_row; /* (W, C) */
+    float *dx = j->dx + row * n_row; /* (W, C) */
     const int cpu = j->ctx->cpu;
     int64_t oy, ox, k;
-    (void)thread;
     memset(dx, 0, sizeof(float) * (size_t)n_row);
     for (oy = oy0; oy <= oy1; oy++) {
         const int64_t i = y - (oy * g->sh - g->top); /* which row of the window y is */
@@ -6095,8 +6095,37 @@ static void mpt__col2im_task(void *arg, int64_t task, int thread) {
         }
     }
     if (j->dtype != MPT_FLOAT32)
-        mpt__convert(j->ctx, j->dtype, (unsigned char *)j->out + (size_t)(task * n_row) * j->es,
+        mpt__convert(j->ctx, j->dtype, (unsigned char *)j->out + (size_t)(row * n_row) * j->es,
                      MPT_FLOAT32, dx, n_row);
+}
+
+/* A task's rows of either pass: whole rows, enough of them that a task
+   is worth the pool's hand-off. One row a task made a 1×1 stride-2
+   layer's input gradient (448 elements a row) slower on two threads than
+   on one, every task a lock of the pool's mutex for a fraction of a
+   microsecond of work. */
+static void mpt__im2col_task(void *arg, int64_t task, int thread) {
+    const mpt__im2col_job *j = (const mpt__im2col_job *)arg;
+    const int64_t r1 = MPT__MIN(j->rows, (task + 1) * j->task_rows);
+    int64_t r;
+    (void)thread;
+    for (r = task * j->task_rows; r < r1; r++) mpt__im2col_row(j, r);
+}
+
+static void mpt__col2im_task(void *arg, int64_t task, int thread) {
+    const mpt__im2col_job *j = (const mpt__im2col_job *)arg;
+    const int64_t r1 = MPT__MIN(j->rows, (task + 1) * j->task_rows);
+    int64_t r;
+    (void)thread;
+    for (r = task * j->task_rows; r < r1; r++) mpt__col2im_row(j, r);
+}
+
+/* Runs `task` over `rows` rows of `row_elements` elements each. */
+static void mpt__im2col_run(mpt_context *ctx, mpt__im2col_job *j, int64_t rows,
+                            int64_t row_elements, mpt__task_fn task) {
+    j->rows = rows;
+    j->task_rows = mpt__elementwise_task_rows(row_elements);
+    mpt__parallel_for(ctx, (rows + j->task_rows - 1) / j->task_rows, task, j);
 }
 
 /* A job over window g of dtype's elements; the caller names the tensors. */
@@ -6117,7 +6146,7 @@ static void mpt__cpu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, co
     mpt__im2col_job j = mpt__im2col_job_for(ctx, g, dtype);
     j.x = (const unsigned char *)x;
     j.cols = (unsigned char *)cols;
-    mpt__parallel_for(ctx, n * g->oh, mpt__im2col_task, &j);
+    mpt__im2col_run(ctx, &j, n * g->oh, g->ow * g->kh * g->kw * g->c, mpt__im2col_task);
 }
 
 /* The CPU backend's col2im: dx (n, H, W, C) in dtype from dcols
@@ -6131,7 +6160,7 @@ static void mpt__cpu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, co
     j.dx = dtype == MPT_FLOAT32 ? (float *)dx : dxf;
     j.dtype = dtype;
     j.out = dx;
-    mpt__parallel_for(ctx, n * g->h, mpt__col2im_task, &j);
+    mpt__im2col_run(ctx, &j, n * g->h, g->w * g->c, mpt__col2im_task);
 }
 
 /* ---- Conv2D build, forward, backward -------------------------------------- */
@@ -30607,9 +30636,6 @@ static void mpt__dz_gelu_task(void *arg, int64_t task, int thread) {
 #endif
     mpt__dz_gelu_scalar(j->act, j->dtype, j->z, j->dy, j->dz, r0, r1, j->cols, c0, c1, j->sums);
 }
-
-/* Defined below, in @impl-cpu-backend: the rows an elementwise task takes. */
-static int64_t mpt__elementwise_task_rows(int64_t cols);
 
 /* mpt_backend.dz_and_bias_grad for the GELUs (act GELU or GELU_TANH), z
    their pre-activation: dz (rows, cols) in dtype and, unless bias_grad is

@@ -6026,6 +6026,7 @@ typedef struct mpt__im2col_job {
     mpt_dtype dtype;          /* col2im: dtype of out (float32: out is dx)     */
     void *out;                /* col2im: (n, H, W, C) the result, in dtype     */
     int64_t rows, task_rows;  /* the rows a pass makes, and a task's share     */
+    void (*row)(const struct mpt__im2col_job *j, int64_t row); /* the pass's row */
 } mpt__im2col_job;
 
 /* Output row oy of sample b (row = b·OH + oy of the pass): copies its
@@ -6104,28 +6105,22 @@ static void mpt__col2im_row(const mpt__im2col_job *j, int64_t row) {
    layer's input gradient (448 elements a row) slower on two threads than
    on one, every task a lock of the pool's mutex for a fraction of a
    microsecond of work. */
-static void mpt__im2col_task(void *arg, int64_t task, int thread) {
+static void mpt__im2col_rows_task(void *arg, int64_t task, int thread) {
     const mpt__im2col_job *j = (const mpt__im2col_job *)arg;
     const int64_t r1 = MPT__MIN(j->rows, (task + 1) * j->task_rows);
     int64_t r;
     (void)thread;
-    for (r = task * j->task_rows; r < r1; r++) mpt__im2col_row(j, r);
+    for (r = task * j->task_rows; r < r1; r++) j->row(j, r);
 }
 
-static void mpt__col2im_task(void *arg, int64_t task, int thread) {
-    const mpt__im2col_job *j = (const mpt__im2col_job *)arg;
-    const int64_t r1 = MPT__MIN(j->rows, (task + 1) * j->task_rows);
-    int64_t r;
-    (void)thread;
-    for (r = task * j->task_rows; r < r1; r++) mpt__col2im_row(j, r);
-}
-
-/* Runs `task` over `rows` rows of `row_elements` elements each. */
+/* Runs row(j, r) for the `rows` rows of a pass, `row_elements` elements each. */
 static void mpt__im2col_run(mpt_context *ctx, mpt__im2col_job *j, int64_t rows,
-                            int64_t row_elements, mpt__task_fn task) {
+                            int64_t row_elements,
+                            void (*row)(const mpt__im2col_job *j, int64_t row)) {
     j->rows = rows;
     j->task_rows = mpt__elementwise_task_rows(row_elements);
-    mpt__parallel_for(ctx, (rows + j->task_rows - 1) / j->task_rows, task, j);
+    j->row = row;
+    mpt__parallel_for(ctx, (rows + j->task_rows - 1) / j->task_rows, mpt__im2col_rows_task, j);
 }
 
 /* A job over window g of dtype's elements; the caller names the tensors. */
@@ -6146,7 +6141,7 @@ static void mpt__cpu_im2col(void *impl, const mpt_window *g, mpt_dtype dtype, co
     mpt__im2col_job j = mpt__im2col_job_for(ctx, g, dtype);
     j.x = (const unsigned char *)x;
     j.cols = (unsigned char *)cols;
-    mpt__im2col_run(ctx, &j, n * g->oh, g->ow * g->kh * g->kw * g->c, mpt__im2col_task);
+    mpt__im2col_run(ctx, &j, n * g->oh, g->ow * g->kh * g->kw * g->c, mpt__im2col_row);
 }
 
 /* The CPU backend's col2im: dx (n, H, W, C) in dtype from dcols
@@ -6160,7 +6155,7 @@ static void mpt__cpu_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, co
     j.dx = dtype == MPT_FLOAT32 ? (float *)dx : dxf;
     j.dtype = dtype;
     j.out = dx;
-    mpt__im2col_run(ctx, &j, n * g->h, g->w * g->c, mpt__col2im_task);
+    mpt__im2col_run(ctx, &j, n * g->h, g->w * g->c, mpt__col2im_row);
 }
 
 /* ---- Conv2D build, forward, backward -------------------------------------- */

@@ -15,7 +15,14 @@ test images:
   - batch --batch: the median of --reps calls a round, as samples/s; the
     median over rounds.
 
-Warm-up calls are excluded. The ratio of a cell is the faster runtime's
+Warm-up calls are excluded: --warmup calls of each side when a cell
+starts, and in every round, right before a side's timed calls, its own
+calls for --warm-ms milliseconds. That second warm-up is what makes the
+sides comparable: ONNX Runtime's worker threads keep spinning for tens
+of milliseconds after a run returns (about 0.8 of a core, measured), so
+whichever side ran right after it lost a core for its first calls, and
+on this 2-CPU virtual machine a CPU that sat idle comes back slowly.
+The ratio of a cell is the faster runtime's
 time over mpt.h's (above 1: mpt.h is faster), from the medians. Before
 and after each cell, two threads' FMA peak over one thread's
 ("cores_seen"): about 2 where the host gave the two threads two cores,
@@ -125,6 +132,14 @@ def timed_calls(call, reps):
     return times
 
 
+def warm(run, seconds):
+    """Calls run(reps) (each call's seconds back) until they add up to seconds."""
+    reps, spent = 1, 0.0
+    while spent < seconds:
+        spent += sum(run(reps))
+        reps = min(2 * reps, 1000)
+
+
 def percentile(values, q):
     v = sorted(values)
     return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
@@ -146,6 +161,8 @@ def main():
     p.add_argument("--reps", type=int, default=20, help="batch-size calls a round")
     p.add_argument("--reps1", type=int, default=200, help="batch-1 calls a round")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--warm-ms", type=float, default=100.0,
+                   help="each side's untimed calls right before its timed calls in every round")
     p.add_argument("--settle", type=float, default=0.0,
                    help="seconds of idle before each round")
     p.add_argument("--alone", choices=("mpt", "onnxruntime", "litert"),
@@ -168,15 +185,15 @@ def main():
                 continue  # the model has no such variant (bench_predict said why)
             for batch, reps in ((1, a.reps1), (a.batch, a.reps)):
                 xb = inputs[batch]
-                callers = {
-                    "mpt": lambda b=batch, v=variant, r=reps: mpt.times(v, b, r),
+                callers = {  # name: reps -> each call's seconds
+                    "mpt": lambda r, b=batch, v=variant: mpt.times(v, b, r),
                     "onnxruntime": None, "litert": None,
                 }
                 runtime_calls = {"onnxruntime": ort_caller(stem + ".onnx", a.threads, xb),
                                  "litert": litert_caller(stem + ".tflite", a.threads, xb)}
                 for name, call in runtime_calls.items():
                     timed_calls(call, a.warmup)
-                    callers[name] = lambda c=call, r=reps: timed_calls(c, r)
+                    callers[name] = lambda r, c=call: timed_calls(c, r)
                 mpt.times(variant, batch, a.warmup)
                 runs = {k: [] for k in callers}
                 order = list(callers)
@@ -186,11 +203,13 @@ def main():
                         if a.alone and r > 0 and name != a.alone:
                             continue
                         time.sleep(a.settle)
-                        runs[name].append(callers[name]())
+                        warm(callers[name], a.warm_ms / 1e3)
+                        runs[name].append(callers[name](reps))
                 if a.alone:
                     runs = {a.alone: runs[a.alone][1:]}
                 cell = {"bench": "deploy", "model": model, "variant": variant, "batch": batch,
                         "threads": a.threads, "rounds": a.rounds, "calls_per_round": reps,
+                        "warm_ms": a.warm_ms,
                         "cores_seen": [cores_before, mpt.cores()]}
                 if a.alone:
                     cell["alone"] = a.alone

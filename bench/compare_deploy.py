@@ -24,8 +24,9 @@ whichever side ran right after it lost a core for its first calls, and
 on this 2-CPU virtual machine a CPU that sat idle comes back slowly.
 The ratio of a cell is the faster runtime's
 time over mpt.h's (above 1: mpt.h is faster), from the medians. Before
-and after each cell, two threads' FMA peak over one thread's
-("cores_seen"): about 2 where the host gave the two threads two cores,
+and after each cell, right after mpt.h's own warm-up calls (so that no
+other side's spinning threads are in it), two threads' FMA peak over one
+thread's ("cores_seen"): about 2 where the host gave the two threads two cores,
 about 1 where it gave them one core's worth, as it sometimes does; a
 cell measured at about 1 is not comparable with one at about 2.
 
@@ -197,6 +198,7 @@ def main():
                 mpt.times(variant, batch, a.warmup)
                 runs = {k: [] for k in callers}
                 order = list(callers)
+                warm(callers["mpt"], a.warm_ms / 1e3)  # no other side's spinning threads in it
                 cores_before = mpt.cores()
                 for r in range(a.rounds):
                     for name in order[r % 3:] + order[:r % 3]:
@@ -207,10 +209,12 @@ def main():
                         runs[name].append(callers[name](reps))
                 if a.alone:
                     runs = {a.alone: runs[a.alone][1:]}
+                warm(callers["mpt"], a.warm_ms / 1e3)
+                cores_after = mpt.cores()
                 cell = {"bench": "deploy", "model": model, "variant": variant, "batch": batch,
                         "threads": a.threads, "rounds": a.rounds, "calls_per_round": reps,
                         "warm_ms": a.warm_ms,
-                        "cores_seen": [cores_before, mpt.cores()]}
+                        "cores_seen": [cores_before, cores_after]}
                 if a.alone:
                     cell["alone"] = a.alone
                 for name, rounds in runs.items():

@@ -28714,6 +28714,8 @@ static void mpt__activation_forward_cpu(int cpu, mpt_activation act, float *x, i
    2 B vectors and a broadcast (27 of 32 registers); Zen 4 retires one
    512-bit FMA per cycle at 4 cycles latency, so 24 independent chains keep
    it busy, and 14 loads per 24 FMAs stay within its two load ports.
+   Where M is short of whole 12-row panels by more than 1 % (a batch of
+   128) it is 8×32: 16 chains, 10 loads per 16 FMAs (mpt__gemm_rows_of_8).
    AVX2 uses 6×16 (12 ymm accumulators), the portable C path 4×8.
 
    KC = 512 makes an A panel 24 KiB, which stays in the 32 KiB L1 while
@@ -28763,7 +28765,7 @@ static void mpt__activation_forward_cpu(int cpu, mpt_activation act, float *x, i
 typedef enum mpt__gemm_path {
     MPT__GEMM_SCALAR = 0,   /* portable C, 4×8                          */
     MPT__GEMM_AVX2 = 1,     /* AVX2 + FMA, 6×16                         */
-    MPT__GEMM_AVX512 = 2,   /* AVX-512, 12×32                           */
+    MPT__GEMM_AVX512 = 2,   /* AVX-512, 12×32 (or 8×32)                 */
     MPT__GEMM_AVX512_BF16 = 3 /* AVX-512 BF16 dot products, 12×32 pairs */
 } mpt__gemm_path;
 
@@ -28957,8 +28959,9 @@ static void mpt__gemm_task(void *arg, int64_t task, int thread) {
 
 /* Cuts C into tasks: at least one per thread when the product is big
    enough, in the grid that repacks least. Splitting the rows in tm parts
-   packs B tm times; splitting the columns in tn parts packs A once per
-   NC-block of each part. */
+   packs B tm times (none where B was packed ahead: predict's weights);
+   splitting the columns in tn parts packs A once per NC-block of each
+   part. */
 static void mpt__gemm_plan_tasks(mpt__gemm_job *job, int threads) {
     const mpt_gemm_desc *d = job->d;
     int64_t units_m = (d->m + job->mr - 1) / job->mr, units_n = (d->n + job->nr - 1) / job->nr;
@@ -28976,7 +28979,7 @@ static void mpt__gemm_plan_tasks(mpt__gemm_job *job, int threads) {
         cols = ((units_n + tn - 1) / tn) * job->nr;
         nblocks = (cols + job->nc - 1) / job->nc;
         cost = (double)d->m * (double)d->k * (double)(tn * nblocks) +
-               (double)d->n * (double)d->k * (double)tm; /* elements packed */
+               (job->bpre ? 0.0 : (double)d->n * (double)d->k * (double)tm); /* elements packed */
         if (best < 0 || cost < best) {
             best = cost;
             best_tm = tm;
@@ -29001,6 +29004,10 @@ MPT__TARGET_AVX512 static void mpt__gemm_kernel_avx512(int64_t kc, const void *a
                                                        const void *bv, int bw, float *c,
                                                        int64_t ldc, int m, int n,
                                                        const mpt__gemm_epi *e);
+MPT__TARGET_AVX512 static void mpt__gemm_kernel_avx512_r8(int64_t kc, const void *av,
+                                                          const void *bv, int bw, float *c,
+                                                          int64_t ldc, int m, int n,
+                                                          const mpt__gemm_epi *e);
 MPT__TARGET_AVX512_BF16 static void mpt__gemm_kernel_avx512_bf16(int64_t kc, const void *av,
                                                                  const void *bv, int bw,
                                                                  float *c, int64_t ldc, int m,
@@ -29045,8 +29052,22 @@ static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
 }
 #endif
 
+/* Whether the float32 AVX-512 path takes panels of 8 rows of A instead
+   of 12: where 12-row panels would compute at least 1 % more rows than
+   there are (a batch of 128 is 10 panels of 12 and one of 8 run as 12:
+   132 rows' multiply-adds for 128) and 8-row ones compute fewer. Each
+   element's sum runs over the same depths in the same order either way,
+   so the bits do not change. On Zen 4 the 8-row kernel is as fast a
+   multiply-add (2 loads of B and 8 broadcasts a step for 16 FMAs); with
+   predict's packed B, 16 panels also split evenly between two threads by
+   rows, each packing half of A (mpt__gemm_plan_tasks). */
+static int mpt__gemm_rows_of_8(int64_t m) {
+    const int64_t rows8 = (m + 7) / 8 * 8, rows12 = (m + 11) / 12 * 12;
+    return rows8 < rows12 && (rows12 - rows8) * 100 >= rows12;
+}
+
 /* The job of a product with B in b_dtype: its path, micro-tile and
-   blocks, chosen from the CPU's features and the dtypes alone. */
+   blocks, chosen from the CPU's features, the dtypes and the rows. */
 static void mpt__gemm_job_init(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dtype b_dtype,
                                mpt__gemm_job *job_out) {
     mpt__gemm_job job;
@@ -29072,6 +29093,10 @@ static void mpt__gemm_job_init(mpt_context *ctx, const mpt_gemm_desc *d, mpt_dty
         job.kernel = mpt__gemm_kernel_avx512;
         job.mr = 12;
         job.nr = 32;
+        if (mpt__gemm_rows_of_8(d->m)) {
+            job.kernel = mpt__gemm_kernel_avx512_r8;
+            job.mr = 8;
+        }
     } else if (ctx->cpu & MPT_CPU_AVX2) {
         job.path = MPT__GEMM_AVX2;
         job.kernel = mpt__gemm_kernel_avx2;
@@ -29869,13 +29894,15 @@ static void mpt__gemm_kernel_scalar(int64_t kc, const void *av, const void *bv, 
 /* Row lists for the register-blocked kernels: X(row) for each row; the
    _WITH forms hand their further arguments on, X(row, ...). */
 #define MPT__ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 #define MPT__ROWS12(X) MPT__ROWS6(X) X(6) X(7) X(8) X(9) X(10) X(11)
 #define MPT__ROWS6_WITH(X, ...)                                                               \
     X(0, __VA_ARGS__) X(1, __VA_ARGS__) X(2, __VA_ARGS__) X(3, __VA_ARGS__) X(4, __VA_ARGS__) \
     X(5, __VA_ARGS__)
+#define MPT__ROWS8_WITH(X, ...) MPT__ROWS6_WITH(X, __VA_ARGS__) X(6, __VA_ARGS__) X(7, __VA_ARGS__)
 #define MPT__ROWS12_WITH(X, ...)                                                              \
-    MPT__ROWS6_WITH(X, __VA_ARGS__) X(6, __VA_ARGS__) X(7, __VA_ARGS__) X(8, __VA_ARGS__)     \
-    X(9, __VA_ARGS__) X(10, __VA_ARGS__) X(11, __VA_ARGS__)
+    MPT__ROWS8_WITH(X, __VA_ARGS__) X(8, __VA_ARGS__) X(9, __VA_ARGS__) X(10, __VA_ARGS__)    \
+    X(11, __VA_ARGS__)
 
 /* -----------------------------------------------------------------------------
    The register block, written once for every kernel that keeps a rows × 2
@@ -29985,20 +30012,25 @@ MPT__TARGET_AVX512 static inline void mpt__gemm_store_avx512(float *c, __m512 ac
     _mm512_mask_storeu_ps(c, mask, v);
 }
 
-MPT__TARGET_AVX512 static void mpt__gemm_kernel_avx512(int64_t kc, const void *av,
-                                                       const void *bv, int bw, float *c,
-                                                       int64_t ldc, int m, int n,
-                                                       const mpt__gemm_epi *e) {
-    const float *a = (const float *)av, *b = (const float *)bv;
-    const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 16 : NULL;
-    __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16);
-    int64_t p;
-#define MPT__A(i) _mm512_set1_ps(a[i])
-    MPT__RB_LOOP(MPT__ROWS12, __m512, _mm512_setzero_ps(), p, kc, a += 12, __m512,
-                 _mm512_load_ps, MPT__A, MPT__MAC_FMA512)
-#undef MPT__A
-    MPT__ROWS12_WITH(MPT__GEMM_STORE_ROW, mpt__gemm_store_avx512, 16)
-}
+/* The float32 kernel on MR rows of A (rows: MPT__ROWS12 or MPT__ROWS8):
+   12, or 8 where mpt__gemm_rows_of_8 says. */
+#define MPT__GEMM_KERNEL_F32(name, MR, rows)                                                 \
+    MPT__TARGET_AVX512 static void name(int64_t kc, const void *av, const void *bv, int bw,  \
+                                        float *c, int64_t ldc, int m, int n,                 \
+                                        const mpt__gemm_epi *e) {                            \
+        const float *a = (const float *)av, *b = (const float *)bv;                           \
+        const float *bias0 = e->bias, *bias1 = e->bias ? e->bias + 16 : NULL;                 \
+        __mmask16 k0 = mpt__gemm_mask16(n), k1 = mpt__gemm_mask16(n - 16);                   \
+        int64_t p;                                                                            \
+        MPT__RB_LOOP(rows, __m512, _mm512_setzero_ps(), p, kc, a += MR, __m512,              \
+                     _mm512_load_ps, MPT__GEMM_A_F32, MPT__MAC_FMA512)                        \
+        rows##_WITH(MPT__GEMM_STORE_ROW, mpt__gemm_store_avx512, 16)                          \
+    }
+#define MPT__GEMM_A_F32(i) _mm512_set1_ps(a[i])
+MPT__GEMM_KERNEL_F32(mpt__gemm_kernel_avx512, 12, MPT__ROWS12)
+MPT__GEMM_KERNEL_F32(mpt__gemm_kernel_avx512_r8, 8, MPT__ROWS8)
+#undef MPT__GEMM_A_F32
+#undef MPT__GEMM_KERNEL_F32
 
 /* bfloat16 pairs: each 32-bit lane of A and B holds (k, k+1); one
    vdpbf16ps adds a[k]·b[k] + a[k+1]·b[k+1] to each float32 lane. */
@@ -32549,7 +32581,6 @@ MPT__TARGET_AVX512_BF16 static void mpt__dconv_kgrad_tile_bf16(const mpt__dconv_
    so the loop body is 2 loads of dz, 8 broadcasts and 16 FMAs. c0 is at
    most C − 8: a last block that would run past C starts earlier and
    recomputes rows its neighbour owns (the caller stores only its own). */
-#define MPT__ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
 MPT__TARGET_AVX512 static void mpt__dconv_kgrad_tile_f32(const mpt__dconv_kgrad_job *j,
                                                          int64_t t, int64_t c0, int64_t f0,
                                                          int nb, float *tile) {
@@ -32702,7 +32733,6 @@ MPT__TARGET_AVX512_BF16 static void mpt__kgrad_pairs_tile(const mpt__kgrad_pairs
     }
     MPT__ROWS8(MPT__DCONV_STORE)
 }
-#undef MPT__ROWS8
 #undef MPT__DCONV_STORE
 
 /* Task: (group of taps, channel block, filter block). */

@@ -221,14 +221,32 @@ static void test_random_shapes(void) {
     }
 }
 
+/* Which products the float32 AVX-512 path runs on 8-row panels: a batch
+   of 128 (132 rows' work on 12-row panels), 100 (108), 40 or 5, not where
+   12 fits (120, 12), gains nothing (65) or wastes under 1 % (86,528: a
+   batch of 128 images of 26 × 26, im2col's rows); test_large_shapes and
+   test_packed_b run such products. */
+static void test_rows_of_8(void) {
+    test__begin();
+    CHECK(mpt__gemm_rows_of_8(128) && mpt__gemm_rows_of_8(100) && mpt__gemm_rows_of_8(5) &&
+              mpt__gemm_rows_of_8(40),
+          "a batch of 128, 100, 5 or 40 rows should take 8-row panels");
+    CHECK(!mpt__gemm_rows_of_8(120) && !mpt__gemm_rows_of_8(12) && !mpt__gemm_rows_of_8(65) &&
+              !mpt__gemm_rows_of_8(86528),
+          "120, 12, 65 or 86,528 rows should keep 12-row panels");
+    test__end("float32 AVX-512 products on 8-row panels where 12-row ones waste over 1 %%");
+}
+
 /* Larger shapes: several K blocks (K > 256, odd K for the bfloat16 pairs),
    several column blocks and tasks, the model shapes in small. A shallow K
    widens the column block (1 MiB of packed B): N = 4200 at K = 300 still
-   takes several, the later ones starting past any multiple of 512. */
+   takes several, the later ones starting past any multiple of 512. 128
+   and 100 rows take the float32 AVX-512 path's 8-row panels
+   (mpt__gemm_rows_of_8), 100 with a last panel of 4. */
 static void test_large_shapes(void) {
     static const struct { int64_t m, n, k; } shapes[] = {
         {257, 513, 129}, {65, 600, 777}, {128, 10, 1024}, {300, 32, 9}, {9, 32, 2000},
-        {20, 4200, 300},
+        {20, 4200, 300}, {100, 70, 300},
     };
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_FLOAT16, MPT_BFLOAT16};
     int pi, si, di;
@@ -1007,6 +1025,7 @@ static void cases(void) {
     TEST_RUN(test_bad_arguments);
     TEST_RUN(test_empty);
     test_random_shapes();
+    test_rows_of_8();
     test_large_shapes();
     test_epilogue();
     test_determinism();

@@ -29061,7 +29061,7 @@ static void mpt__gemm_few_rows_run(mpt__gemm_job *job) {
    multiply-add (2 loads of B and 8 broadcasts a step for 16 FMAs); with
    predict's packed B, 16 panels also split evenly between two threads by
    rows, each packing half of A (mpt__gemm_plan_tasks). */
-static int mpt__gemm_rows_of_8(int64_t m) {
+static inline int mpt__gemm_rows_of_8(int64_t m) {
     const int64_t rows8 = (m + 7) / 8 * 8, rows12 = (m + 11) / 12 * 12;
     return rows8 < rows12 && (rows12 - rows8) * 100 >= rows12;
 }

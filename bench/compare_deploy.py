@@ -19,16 +19,16 @@ Warm-up calls are excluded: --warmup calls of each side when a cell
 starts, and in every round, right before a side's timed calls, its own
 calls for --warm-ms milliseconds. That second warm-up is what makes the
 sides comparable: ONNX Runtime's worker threads keep spinning for tens
-of milliseconds after a run returns (about 0.8 of a core, measured), so
-whichever side ran right after it lost a core for its first calls, and
-on this 2-CPU virtual machine a CPU that sat idle comes back slowly.
-The ratio of a cell is the faster runtime's
+of milliseconds after a run returns (about one core,
+bench/spin_after_run.py), so whichever side ran right after it lost a
+core for its first calls, and on this 2-CPU virtual machine a CPU that
+sat idle comes back slowly. The ratio of a cell is the faster runtime's
 time over mpt.h's (above 1: mpt.h is faster), from the medians. Before
 and after each cell, right after mpt.h's own warm-up calls (so that no
 other side's spinning threads are in it), two threads' FMA peak over one
-thread's ("cores_seen"): about 2 where the host gave the two threads two cores,
-about 1 where it gave them one core's worth, as it sometimes does; a
-cell measured at about 1 is not comparable with one at about 2.
+thread's ("cores_seen"): about 2 where the host gave the two threads two
+cores, about 1 where it gave them one core's worth, as it sometimes
+does; a cell measured at about 1 is not comparable with one at about 2.
 
     bench/compare_deploy.sh [--models mlp cnn_small cnn resnet] [--rounds 5]
         [--reps 20] [--reps1 200] [--train-samples N --weights-dir DIR]

@@ -197,7 +197,7 @@
        q, k and v           (@impl-attention): on the CPU one product over
                             the three (mpt__gemm_shared_a, @impl-gemm) packs
                             x once for them, forward and kernel gradients
-       Conv2D's products    mpt__cpu_conv_direct (@impl-conv-direct): 3×3 of
+       Conv2D's products    mpt__cpu_conv_direct (@impl-conv-shallow): 3×3 of
                             stride 1 by Winograd's 2×2 or 4×4 tiles
                             (mpt__wino_tile_for; mpt__wino, mpt__wkg),
                             others by direct tiles; im2col + GEMM where
@@ -206,10 +206,13 @@
                             or im2col + GEMM
        Conv2D + pooling     a MaxPooling2D after a Conv2D runs inside it on
                             the CPU, chunk by chunk: mpt__conv_pool_plan,
-                            mpt__conv2d_pool_forward/_backward (@impl-pooling;
+                            mpt__conv2d_pool_forward/_backward (@impl-conv-pool;
                             outside training no argmax, and 2×2 windows by
-                            mpt__max_pool2_avx512); a float16 model's pair
-                            mpt__q_conv_pool_float16 (@impl-quantized-direct)
+                            mpt__max_pool2_avx512, or for one input channel
+                            in the product's epilogue: mpt_conv_args.max_pool2,
+                            mpt__shallow_pool2_tiles, @impl-conv-shallow); a
+                            float16 model's pair mpt__q_conv_pool_float16
+                            (@impl-quantized-direct)
        finiteness check     mpt__cpu_grad_stats (@impl-optimizers);
                             mpt__cuda_grad_stats, mpt__cuda_norm_fold_kernel
        unscale and update   mpt__update_job_init, mpt__cpu_update
@@ -296,8 +299,8 @@
        @impl-activation   Activation
        @impl-windows      the window geometry of Conv2D and pooling
        @impl-conv2d       Conv2D: im2col + GEMM, by chunks of samples
-       @impl-pooling      MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D;
-                          a Conv2D and the MaxPooling2D after it as one pass
+       @impl-pooling      MaxPooling2D, AveragePooling2D, GlobalAveragePooling2D
+       @impl-conv-pool    a Conv2D and the MaxPooling2D after it as one pass
        @impl-zero-padding2d  ZeroPadding2D
        @impl-batchnorm    BatchNormalization
        @impl-dropout      Dropout
@@ -386,8 +389,11 @@
        @impl-gemm-kernels the GEMM's packing and micro-kernels: portable,
                           AVX2, AVX-512, AVX-512 BF16
        @impl-layer-kernels  ReLU's gradient, sums, dz and the bias gradient
-       @impl-conv-direct  Conv2D's direct AVX-512 tiles; mpt__cpu_conv_direct
-                          chooses among them and Winograd's
+       @impl-conv-direct  Conv2D's direct AVX-512 tiles
+       @impl-conv-shallow a one-channel image's forward (max-pooled 2×2 in its
+                          epilogue where a MaxPooling2D follows);
+                          mpt__cpu_conv_direct chooses among the direct
+                          paths and Winograd's
        @impl-winograd     Winograd's F(2×2, 3×3) and F(4×4, 3×3)
        @impl-winograd-grad  Conv2D's kernel gradient by Winograd's tiles
        @impl-conv-kernel-grad  Conv2D's kernel gradient by direct tiles and
@@ -480,9 +486,11 @@
        node_   a graph's nodes                         @impl-layer-helpers
        npy_    NumPy's .npy files                      @impl-npy
        pb_     protobuf (TensorBoard's events, ONNX)   @impl-tensorboard
+       pool2_  max pooling in a product's epilogue     @impl-conv-shallow
        q_      quantization parameters, rounding       @impl-quantize
        qat_    quantization-aware training             @impl-qat
        qgemm_  the int8 GEMM                           @impl-qgemm
+       shallow_ a one-channel image's forward          @impl-conv-shallow
        st_     safetensors                             @impl-safetensors
        tb_     TensorBoard's event files               @impl-tensorboard
        text_   text datasets (windows over bytes)      @impl-text
@@ -3175,7 +3183,12 @@ typedef enum mpt_pool_kind {
                  then takes a slower path).
    x and y in dtype, sums in float32 (the CPU's 3×3 products of stride 1
    by Winograd's transform: not the im2col path's bits). ws:
-   MPT_CONV_DIRECT_WS_BYTES. */
+   MPT_CONV_DIRECT_WS_BYTES.
+   forward with max_pool2: y (n, ⌊OH/2⌋, ⌊OW/2⌋, F) is the output above
+   max-pooled by 2×2 windows of stride 2 (MaxPooling2D's 'valid': an odd
+   last row or column read by none), each pixel rounded to dtype before
+   the maxima as a stored output would be; the output itself is not
+   written. A backend without this declines. */
 typedef struct mpt_conv_args {
     const mpt_window *g;
     mpt_dtype dtype;
@@ -3201,6 +3214,7 @@ typedef struct mpt_conv_args {
        a call with the same kernel, window, dtype and direction (a later
        chunk of one batch): a backend may keep the kernel it prepared. */
     int ws_kept;
+    int max_pool2;              /* forward: y max-pooled 2×2 (above)        */
 } mpt_conv_args;
 
 /* Workspace bytes of conv_direct for kk = kh·kw·C and F filters: the
@@ -4784,7 +4798,7 @@ struct mpt__layer {
        workspace past the layer's own scratch, at these byte offsets. */
     int staged;
     int64_t stage_x, stage_dx;
-    /* A Conv2D that runs the MaxPooling2D after it (@impl-pooling's pair):
+    /* A Conv2D that runs the MaxPooling2D after it (@impl-conv-pool):
        set by build; its scratch for that lies at this byte offset of the
        workspace, past its own. */
     int pools_next;
@@ -6227,10 +6241,11 @@ static mpt_status mpt__conv2d_build(mpt_model *m, mpt__layer *L) {
 }
 
 /* The backend's direct convolution (mpt_conv_args) of n samples, where it
-   has one for this case; 0: nothing done. */
+   has one for this case; 0: nothing done. max_pool2: y is the output
+   max-pooled 2×2 (the forward only). */
 static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
-                              int input_grad, const void *x, void *y, int64_t n, void *ws,
-                              int ws_kept) {
+                              int input_grad, int max_pool2, const void *x, void *y, int64_t n,
+                              void *ws, int ws_kept) {
     const mpt_conv2d_desc *d = &L->desc.conv2d;
     mpt_conv_args a;
     if (!p->be->conv_direct) return 0;
@@ -6247,6 +6262,7 @@ static int mpt__conv2d_direct(mpt__layer *L, const mpt__pass *p, const mpt__conv
     a.y = y;
     a.ws = ws;
     a.ws_kept = ws_kept;
+    a.max_pool2 = max_pool2;
     return p->be->conv_direct(p->impl, &a);
 }
 
@@ -6331,7 +6347,7 @@ static void mpt__conv2d_forward_batch(mpt__layer *L, const mpt__pass *p) {
     mpt__conv_plan c;
     mpt__conv_plan_init(&c, L, p->model->max_batch, p->be);
     if (mpt__activation_fuses(act) &&
-        mpt__conv2d_direct(L, p, &c, 0, p->x, p->y, p->batch, p->workspace, 0))
+        mpt__conv2d_direct(L, p, &c, 0, 0, p->x, p->y, p->batch, p->workspace, 0))
         return;
     mpt__conv2d_by_chunks(L, p, mpt__conv2d_forward_chunk);
 }
@@ -6467,7 +6483,7 @@ static void mpt__conv2d_backward_rows(mpt__layer *L, const mpt__pass *p, const m
         mpt__conv2d_kernel_grad(L, p, c, cols ? (const void *)cols : (const void *)x, dz_c, rows,
                                 b0 == 0);
     }
-    if (!dx || mpt__conv2d_direct(L, p, c, 1, dz_c, dx, n, direct_ws, b0 != 0)) return;
+    if (!dx || mpt__conv2d_direct(L, p, c, 1, 0, dz_c, dx, n, direct_ws, b0 != 0)) return;
     if (!c->identity) {
         mpt__conv2d_cols_grad(L, p, c, dz_c, rows, dcols);
         p->be->col2im(p->impl, &c->g, L->dtype, dcols, n, dxf, dx);
@@ -6488,7 +6504,7 @@ static void mpt__conv2d_backward_chunk(mpt__layer *L, const mpt__pass *p, const 
                               (const unsigned char *)p->y + at, (const unsigned char *)p->dy + at);
 }
 
-/* In @impl-pooling, with the pooling they run: the pair's plan (the
+/* In @impl-conv-pool, with the pooling they run: the pair's plan (the
    table's plan_next) and passes (the forward returns 0, having written
    nothing, where it declines). */
 static mpt_status mpt__conv_pool_plan(mpt_model *m, mpt__layer *L);
@@ -6825,6 +6841,7 @@ MPT__TARGET_AVX512 static void mpt__max_pool2_avx512(mpt_dtype dtype, const mpt_
     else
         mpt__max_pool2_lanes_avx512(MPT_FLOAT16, g, x, y);
 }
+#endif
 
 /* Whether every window of g is 2×2 of stride 2 inside the image (the
    padding adds none): mpt__max_pool2_avx512's case. */
@@ -6832,7 +6849,13 @@ static int mpt__max_pool2_fits(const mpt__win *g) {
     return g->kh == 2 && g->kw == 2 && g->sh == 2 && g->sw == 2 && g->top == 0 &&
            g->left == 0 && 2 * g->oh <= g->h && 2 * g->ow <= g->w;
 }
-#endif
+
+/* Whether g pools every pair of rows and columns, as
+   mpt_conv_args.max_pool2 does: mpt__max_pool2_fits with no row or
+   column left over but an odd last one. */
+static int mpt__max_pool2_covers(const mpt__win *g) {
+    return mpt__max_pool2_fits(g) && g->oh == g->h / 2 && g->ow == g->w / 2;
+}
 
 /* y[c] = mean of the window's pixels inside the image. */
 static void mpt__avg_window(const mpt__win *g, const float *x, int64_t r0, int64_t r1, int64_t c0,
@@ -7185,7 +7208,10 @@ MPT__LAYER_ENTRY_POINTS(mpt_model_add_average_pooling2d, mpt_average_pooling2d,
 MPT__LAYER_ENTRY_POINTS(mpt_model_add_global_average_pooling2d, mpt_global_average_pooling2d,
                         mpt_global_pool2d_desc, mpt__global_pool_ops)
 
-/* ---- a Conv2D and the MaxPooling2D after it, as one pass ---------------------
+/* =============================================================================
+   @impl-conv-pool  a Conv2D and the MaxPooling2D after it, as one pass
+   =============================================================================
+
    A CNN's largest tensor is a Conv2D's output, and a MaxPooling2D after
    it reads it at once. Written to memory and read back (and in backward
    its gradient twice more, with y again for ReLU′), it costs the CPU more
@@ -7276,6 +7302,16 @@ static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p) {
     mpt__pass q = *p;
     int64_t off[MPT__CP_PIECES], n, b0;
     mpt__conv_pool_setup(L, p->model->max_batch, p->be, p->impl, &c, &pg, off);
+    /* outside training, the whole batch pooled in the product's epilogue
+       where the backend does it (nothing written in between) */
+    if (!p->training && mpt__max_pool2_covers(&pg)) {
+        void *ws = p->kept_ws ? p->kept_ws : q.workspace;
+        if (mpt__conv2d_direct(L, &q, &c, 0, 1, p->x, P->y, p->batch, ws,
+                               p->kept_ws && *p->kept)) {
+            if (p->kept_ws) *p->kept = 1;
+            return 1;
+        }
+    }
     n = mpt__conv_pool_chunk(&c);
     for (b0 = 0; b0 < p->batch; b0 += n) {
         /* the kernel the direct product prepares: the previous chunk's, or
@@ -7285,7 +7321,7 @@ static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p) {
         q.batch = MPT__MIN(n, p->batch - b0);
         q.x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c.es;
         q.y = scratch + off[MPT__CP_Y];
-        if (!mpt__conv2d_direct(L, &q, &c, 0, q.x, q.y, q.batch, ws, kept)) {
+        if (!mpt__conv2d_direct(L, &q, &c, 0, 0, q.x, q.y, q.batch, ws, kept)) {
             if (p->kept_ws) *p->kept = 0;
             if (b0 == 0) return 0;
             mpt__conv2d_forward_batch(L, &q);
@@ -30727,6 +30763,7 @@ static void mpt__dz_gelu(mpt_context *ctx, mpt_activation act, mpt_dtype dtype, 
 
 #define MPT__DCONV_MR 12       /* output pixels per tile                  */
 #define MPT__DCONV_MAX_TAPS 64 /* larger kernels take the im2col path     */
+#define MPT__SHALLOW_MAX_KK 160 /* one channel (below): its panel 160 × 12 elements, 7.5 KiB */
 #define MPT__DCONV_TILES_PER_TASK 8 /* tiles per parallel-for task    */
 #define MPT__DCONV_KGRAD_F32_ROWS 8 /* float32 kernel gradient: channels per tile */
 #ifndef MPT__DCONV_KGRAD_F32_MAX_F
@@ -30754,6 +30791,9 @@ typedef struct mpt__dconv_job {
                                   float32, or bfloat16 k-pairs (kk/2, oc) uint32 */
     const unsigned char *zero; /* ic zero elements                              */
     size_t tap_bytes[MPT__DCONV_MAX_TAPS]; /* tap t's offset in a whole window */
+    /* the one-channel forward's A (mpt__shallow_a): element k's offset in
+       a gathered panel (12·k) and in the image from a window's corner */
+    int64_t panel_at[MPT__SHALLOW_MAX_KK], window_at[MPT__SHALLOW_MAX_KK];
     mpt__dconv_tile_fn tile;
     mpt__convert_fn convert;   /* float32 to dtype                              */
 } mpt__dconv_job;
@@ -31094,6 +31134,11 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
     }
 }
 
+/* =============================================================================
+   @impl-conv-shallow: Conv2D's forward of a one-channel image, max-pooled in
+   its epilogue where a MaxPooling2D follows; mpt__cpu_conv_direct
+   ============================================================================= */
+
 /* ---- the forward of a one-channel image ---------------------------------------
    One input channel (a first layer's grey image) makes the depth
    kk = kh·kw a handful of taps (9 for a 3×3): the tile above would spend
@@ -31112,26 +31157,41 @@ static void mpt__dconv_task(void *arg, int64_t task, int thread) {
    More channels would need a transposing gather per tap: done element by
    element, it was slower than the former paths for 3 to 7 channels in
    bench/bench_conv.c, so those keep them. */
-#define MPT__SHALLOW_MAX_KK 160 /* the panel: 160 × 12 elements, 7.5 KiB */
+#define MPT__POOL2_WINDOWS (MPT__DCONV_MR / 4) /* 2×2 windows a tile, max-pooled (below) */
 
 #if MPT__X86
-/* tile (12 × 32) = panel (kk × 12)ᵀ · kernel columns [o0, o0 + nb). */
-MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, const void *panel,
+/* A float32 tile's 12 × kk values, where they lie: row i's k-th at
+   (i < 6 ? top : bottom)[at[k] + i mod 6]. A gathered panel (kk × 12,
+   below): top = panel, bottom = panel + 6, at = j->panel_at (12·k). Or,
+   where the tile's windows lie inside the image (no padding to read), two
+   runs of six pixels of one output row each, read straight from the
+   one-channel image: top and bottom their first windows' corners, at =
+   j->window_at (tap k's offset in a window), and nothing gathered. */
+typedef struct mpt__shallow_a {
+    const float *top, *bottom;
+    const int64_t *at;
+} mpt__shallow_a;
+
+/* tile (12 × 32) = A (12 × kk) · kernel columns [o0, o0 + nb), A as
+   mpt__shallow_a finds it: the same values in the same order either way. */
+MPT__TARGET_AVX512 static void mpt__shallow_tile_f32(const mpt__dconv_job *j, mpt__shallow_a a,
                                                      int64_t o0, int nb, float *tile) {
-    const float *a = (const float *)panel, *w = (const float *)j->w + o0;
+    const float *w = (const float *)j->w + o0, *top = a.top, *bottom = a.bottom;
     const __mmask16 k0 = mpt__gemm_mask16(nb), k1 = mpt__gemm_mask16(nb - 16);
     int64_t k;
     MPT__ROWS12(MPT__DCONV_ACC)
-#define MPT__A(i) _mm512_set1_ps(a[i])
+#define MPT__A(i) _mm512_set1_ps((i) < 6 ? top[at + (i)] : bottom[at + (i) - 6])
     if (nb > 16) {
-        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
+        for (k = 0; k < j->kk; k++, w += j->oc) {
             const __m512 b0 = _mm512_maskz_loadu_ps(k0, w), b1 = _mm512_maskz_loadu_ps(k1, w + 16);
+            const int64_t at = a.at[k];
             __m512 ai;
             MPT__ROWS12_WITH(MPT__RB_STEP2_AT, MPT__A, MPT__MAC_FMA512)
         }
     } else {
-        for (k = 0; k < j->kk; k++, a += MPT__DCONV_MR, w += j->oc) {
+        for (k = 0; k < j->kk; k++, w += j->oc) {
             const __m512 b0 = _mm512_maskz_loadu_ps(k0, w);
+            const int64_t at = a.at[k];
             __m512 ai;
             MPT__ROWS12_WITH(MPT__RB_STEP1_AT, MPT__A, MPT__MAC_FMA512)
         }
@@ -31244,41 +31304,185 @@ MPT__TARGET_AVX512 static void mpt__shallow_widen_rows(const mpt_half *stage, in
                                                              row, stage + r * MPT__DCONV_MR)));
 }
 
+/* ---- the same, max-pooled 2×2 in the epilogue ----------------------------------
+   A one-channel Conv2D that a 2×2 MaxPooling2D of stride 2 alone reads
+   (the first two layers of the usual MNIST CNN), outside training
+   (mpt_conv_args.max_pool2): a tile's 12 pixels are the 2×2 windows of
+   three pooled pixels, the windows' top rows in lanes 0..5 and their
+   bottom rows in lanes 6..11, so the epilogue reduces the tile's sums to
+   three pooled pixels and writes only those. No output of the Conv2D
+   goes to memory and no pooling pass reads it back; on cnn_small's
+   predict that was a quarter of the time. Each pixel's sums and epilogue
+   are mpt__shallow_tiles', each window's maxima mpt__max_pool2_lanes_avx512's
+   in its order: the same bits. */
+
+/* The finished tile's row r, 16 filters (mask k), rounded to dtype as
+   storing it would round it. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__pool2_pixel(mpt_dtype dtype,
+                                                                   const float *row,
+                                                                   __mmask16 k) {
+    unsigned char stored[64];
+    if (dtype == MPT_FLOAT32) return _mm512_maskz_loadu_ps(k, row);
+    mpt__avx512_store(dtype, stored, _mm512_maskz_loadu_ps(k, row), k);
+    return mpt__avx512_load(dtype, stored, k);
+}
+
+/* The tile's first mw windows' maxima, filters [o0, o0 + nb), stored in
+   dtype at pooled pixels w0, w0 + 1, .. of y. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__pool2_store_as(mpt_dtype dtype,
+                                                                    const mpt__dconv_job *j,
+                                                                    const float *tile,
+                                                                    int64_t w0, int mw,
+                                                                    int64_t o0, int nb) {
+    const size_t es = mpt_dtype_size(dtype);
+    int q, h;
+    for (q = 0; q < mw; q++)
+        for (h = 0; h < 2 && 16 * h < nb; h++) {
+            const __mmask16 k = mpt__gemm_mask16(nb - 16 * h);
+            const float *top = tile + 32 * 2 * q + 16 * h;
+            const float *bottom = top + 32 * MPT__DCONV_MR / 2;
+            __m512 best = mpt__pool2_pixel(dtype, top, k);
+            best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, top + 32, k));
+            best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, bottom, k));
+            best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, bottom + 32, k));
+            mpt__avx512_store(dtype,
+                              (unsigned char *)j->a->y + (size_t)((w0 + q) * j->oc + o0 + 16 * h) * es,
+                              best, k);
+        }
+}
+
+MPT__TARGET_AVX512 static void mpt__pool2_store(const mpt__dconv_job *j, const float *tile,
+                                                int64_t w0, int mw, int64_t o0, int nb) {
+    if (j->a->dtype == MPT_BFLOAT16) mpt__pool2_store_as(MPT_BFLOAT16, j, tile, w0, mw, o0, nb);
+    else if (j->a->dtype == MPT_FLOAT16) mpt__pool2_store_as(MPT_FLOAT16, j, tile, w0, mw, o0, nb);
+    else mpt__pool2_store_as(MPT_FLOAT32, j, tile, w0, mw, o0, nb);
+}
+
+/* Whether a float32 tile's windows lie inside the image: those of output
+   rows oy0 .. oy1, columns ox .. ox + n − 1 (stride 1 along the width);
+   then A is read in place (mpt__shallow_a). */
+static int mpt__shallow_inside(const mpt__dconv_job *j, int64_t oy0, int64_t oy1, int64_t ox,
+                               int n) {
+    const mpt_window *g = j->g;
+    return j->a->dtype == MPT_FLOAT32 && oy0 * g->sh - g->top >= 0 &&
+           oy1 * g->sh - g->top + g->kh <= g->h && ox - g->left >= 0 &&
+           ox - g->left + n - 1 + g->kw <= g->w;
+}
+
+/* The image's pixel under the top-left tap of output pixel (b, oy, ox)'s
+   window (inside the image: mpt__shallow_inside). */
+static const float *mpt__shallow_corner(const mpt__dconv_job *j, int64_t b, int64_t oy,
+                                        int64_t ox) {
+    const mpt_window *g = j->g;
+    return (const float *)(const void *)j->x +
+           ((b * g->h + oy * g->sh - g->top) * g->w + ox - g->left);
+}
+
+/* A tile through every block of 32 filters, its A read in place (inside:
+   mpt__shallow_inside) or gathered into stage (panel for float32, where
+   the other dtypes' rows are then laid out): its first m pixels from
+   pixel `at` stored by the GEMM path's epilogue, or (pooled) its first m
+   windows from pooled pixel `at` by the pool2 epilogue. */
+MPT__TARGET_AVX512 static void mpt__shallow_products(const mpt__dconv_job *j,
+                                                     const mpt__shallow_a *inside,
+                                                     const mpt_bf16 *stage16, uint32_t *panel,
+                                                     int64_t at, int m, int pooled) {
+    const float *rows = (const float *)(void *)panel;
+    const mpt__shallow_a gathered = { rows, rows + MPT__DCONV_MR / 2, j->panel_at };
+    float tile[MPT__DCONV_MR * 32];
+    int64_t o0;
+    if (!inside && j->a->dtype == MPT_BFLOAT16)
+        mpt__shallow_pair_rows(stage16, j->kk, panel);
+    else if (!inside && j->a->dtype == MPT_FLOAT16)
+        mpt__shallow_widen_rows((const mpt_half *)stage16, j->kk, (float *)(void *)panel);
+    for (o0 = 0; o0 < j->oc; o0 += 32) {
+        const int nb = (int)MPT__MIN(32, j->oc - o0);
+        if (j->a->dtype != MPT_BFLOAT16)
+            mpt__shallow_tile_f32(j, inside ? *inside : gathered, o0, nb, tile);
+        else
+            mpt__shallow_tile_bf16(j, panel, o0, nb, tile);
+        if (!pooled) {
+            mpt__dconv_store(j, tile, at, m, o0, nb);
+            continue;
+        }
+        mpt__dconv_finish_avx512(tile, j->a->bias ? j->a->bias + o0 : NULL,
+                                 j->a->act == MPT_ACT_RELU, nb);
+        mpt__pool2_store(j, tile, at, m, o0, nb);
+    }
+}
+
 /* Tiles [task·TILES_PER_TASK, ...) of the output pixels, as mpt__dconv_task
    cuts them; a tile's pixels past the end read zeros. */
 MPT__TARGET_AVX512 static void mpt__shallow_tiles(const mpt__dconv_job *j, int64_t task) {
     uint32_t panel[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* float32, or bfloat16 pairs */
     mpt_bf16 stage16[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* bfloat16 or float16 */
     unsigned char *stage = j->es == 4 ? (unsigned char *)panel : (unsigned char *)stage16;
-    float tile[MPT__DCONV_MR * 32];
-    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK, o0;
+    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK;
     for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
         const int64_t p0 = tile_i * MPT__DCONV_MR;
         int64_t b = p0 / (j->oh * j->ow), oy = p0 / j->ow % j->oh, ox = p0 % j->ow;
         int m, p, n;
         if (p0 >= j->pixels) return;
         m = (int)MPT__MIN(MPT__DCONV_MR, j->pixels - p0);
+        if (m == MPT__DCONV_MR && ox + m <= j->ow && mpt__shallow_inside(j, oy, oy, ox, m)) {
+            const float *corner = mpt__shallow_corner(j, b, oy, ox);
+            const mpt__shallow_a in_row = { corner, corner + MPT__DCONV_MR / 2, j->window_at };
+            mpt__shallow_products(j, &in_row, NULL, NULL, p0, m, 0);
+            continue;
+        }
         if (m < MPT__DCONV_MR) memset(stage, 0, (size_t)j->kk * MPT__DCONV_MR * j->es);
         for (p = 0; p < m; p += n, ox = 0) { /* one output row at a time */
             n = (int)MPT__MIN(m - p, j->ow - ox);
             mpt__shallow_gather(j, b, oy, ox, p, n, stage);
             if (++oy == j->oh) oy = 0, b++;
         }
-        if (j->a->dtype == MPT_BFLOAT16)
-            mpt__shallow_pair_rows(stage16, j->kk, panel);
-        else if (j->a->dtype == MPT_FLOAT16)
-            mpt__shallow_widen_rows((const mpt_half *)stage16, j->kk, (float *)(void *)panel);
-        for (o0 = 0; o0 < j->oc; o0 += 32) {
-            const int nb = (int)MPT__MIN(32, j->oc - o0);
-            if (j->a->dtype != MPT_BFLOAT16)
-                mpt__shallow_tile_f32(j, panel, o0, nb, tile);
-            else
-                mpt__shallow_tile_bf16(j, panel, o0, nb, tile);
-            mpt__dconv_store(j, tile, p0, m, o0, nb);
+        mpt__shallow_products(j, NULL, stage16, panel, p0, m, 0);
+    }
+}
+
+/* Tiles [task·TILES_PER_TASK, ...) of the pooled pixels, three a tile;
+   a tile's windows past the end read zeros. */
+MPT__TARGET_AVX512 static void mpt__shallow_pool2_tiles(const mpt__dconv_job *j, int64_t task) {
+    uint32_t panel[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* float32, or bfloat16 pairs */
+    mpt_bf16 stage16[MPT__SHALLOW_MAX_KK * MPT__DCONV_MR]; /* bfloat16 or float16 */
+    unsigned char *stage = j->es == 4 ? (unsigned char *)panel : (unsigned char *)stage16;
+    const int64_t ph = j->oh / 2, pw = j->ow / 2, windows = j->a->n * ph * pw;
+    const int half = MPT__DCONV_MR / 2; /* the bottom rows' first lane */
+    int64_t tile_i = task * MPT__DCONV_TILES_PER_TASK;
+    for (; tile_i < (task + 1) * MPT__DCONV_TILES_PER_TASK; tile_i++) {
+        const int64_t w0 = tile_i * MPT__POOL2_WINDOWS;
+        int64_t b = w0 / (ph * pw), py = w0 / pw % ph, px = w0 % pw;
+        int mw, q, n;
+        if (w0 >= windows) return;
+        mw = (int)MPT__MIN(MPT__POOL2_WINDOWS, windows - w0);
+        if (mw == MPT__POOL2_WINDOWS && px + mw <= pw &&
+            mpt__shallow_inside(j, 2 * py, 2 * py + 1, 2 * px, 2 * mw)) {
+            const mpt__shallow_a in_rows = { mpt__shallow_corner(j, b, 2 * py, 2 * px),
+                                             mpt__shallow_corner(j, b, 2 * py + 1, 2 * px),
+                                             j->window_at };
+            mpt__shallow_products(j, &in_rows, NULL, NULL, w0, mw, 1);
+            continue;
         }
+        if (mw < MPT__POOL2_WINDOWS) memset(stage, 0, (size_t)j->kk * MPT__DCONV_MR * j->es);
+        for (q = 0; q < mw; q += n, px = 0) { /* one pooled row at a time */
+            n = (int)MPT__MIN(mw - q, pw - px);
+            mpt__shallow_gather(j, b, 2 * py, 2 * px, 2 * q, 2 * n, stage);
+            mpt__shallow_gather(j, b, 2 * py + 1, 2 * px, half + 2 * q, 2 * n, stage);
+            if (++py == ph) py = 0, b++;
+        }
+        mpt__shallow_products(j, NULL, stage16, panel, w0, mw, 1);
     }
 }
 #endif /* MPT__X86 */
+
+static void mpt__shallow_pool2_task(void *arg, int64_t task, int thread) {
+    (void)thread;
+#if MPT__X86
+    mpt__shallow_pool2_tiles((const mpt__dconv_job *)arg, task);
+#else
+    (void)arg, (void)task; /* never called: conv_direct declines first */
+#endif
+}
 
 static void mpt__shallow_task(void *arg, int64_t task, int thread) {
     (void)thread;
@@ -31329,7 +31533,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     int shallow;
     if (a->kernel_grad) return mpt__cpu_conv_kernel_grad(ctx, a);
 #if MPT__X86
-    if (mpt__wino_takes(ctx, a)) {
+    if (!a->max_pool2 && mpt__wino_takes(ctx, a)) {
         mpt__wino(ctx, a, mpt__wino_tile_for(a));
         return 1;
     }
@@ -31350,7 +31554,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
               (((a->dtype == MPT_FLOAT32 || a->dtype == MPT_FLOAT16) &&
                 (ctx->cpu & MPT_CPU_AVX512)) ||
                (a->dtype == MPT_BFLOAT16 && (ctx->cpu & MPT_CPU_AVX512_BF16)));
-    if (!shallow && !mpt__dconv_takes(a, &j)) return 0;
+    if (a->max_pool2 ? !shallow : !shallow && !mpt__dconv_takes(a, &j)) return 0;
     j.ctx = ctx;
     j.a = a;
     j.g = g;
@@ -31361,9 +31565,22 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     j.pixels = a->n * j.oh * j.ow;
     j.es = mpt_dtype_size(a->dtype);
     j.convert = mpt__convert_kernel(ctx->cpu, a->dtype, MPT_FLOAT32);
-    for (t = 0; t < j.taps; t++)
-        j.tap_bytes[t] = (size_t)((t / g->kw) * j.iw + t % g->kw) * (size_t)j.ic * j.es;
+    for (t = 0; t < j.taps; t++) {
+        const int64_t at = (t / g->kw) * j.iw + t % g->kw; /* in pixels */
+        if (!shallow) /* (taps ≤ MPT__DCONV_MAX_TAPS here) */
+            j.tap_bytes[t] = (size_t)at * (size_t)j.ic * j.es;
+        else /* (taps = kk ≤ MPT__SHALLOW_MAX_KK) */
+            j.panel_at[t] = MPT__DCONV_MR * t, j.window_at[t] = at;
+    }
     mpt__dconv_pack(&j, (unsigned char *)a->ws);
+    if (a->max_pool2) {
+        const int64_t windows = a->n * (j.oh / 2) * (j.ow / 2);
+        mpt__parallel_for(ctx,
+                          (windows + MPT__POOL2_WINDOWS * MPT__DCONV_TILES_PER_TASK - 1) /
+                              (MPT__POOL2_WINDOWS * MPT__DCONV_TILES_PER_TASK),
+                          mpt__shallow_pool2_task, &j);
+        return 1;
+    }
     mpt__parallel_for(ctx,
                       (j.pixels + MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK - 1) /
                           (MPT__DCONV_MR * MPT__DCONV_TILES_PER_TASK),
@@ -35969,10 +36186,11 @@ static mpt_status mpt__q_fully_connected(mpt_context *ctx, const mpt__quantized 
    sums' order is conv_direct's, as in the float32 model, not the im2col
    product's. A workspace that would not fit past room for the kernel in
    the cols buffer still declines, as when the kernel was widened there
-   every call, so that the same convolutions take this path as before. */
+   every call, so that the same convolutions take this path as before.
+   max_pool2: y is the output max-pooled 2×2 (mpt_conv_args.max_pool2). */
 static int mpt__q_conv_float16_direct(mpt_context *ctx, const mpt__quantized *Q,
-                                      const mpt__qop *op, const void *x, void *y, int64_t n,
-                                      mpt__qwork *w) {
+                                      const mpt__qop *op, int max_pool2, const void *x, void *y,
+                                      int64_t n, mpt__qwork *w) {
     const int64_t N = op->info.out_channels, K = op->info.depth;
     const int64_t cols_bytes = 4 * MPT__MAX(MPT__Q_COLS_BUDGET, Q->max_cols);
     const int64_t kernel_bytes = (4 * K * N + 63) / 64 * 64;
@@ -35986,6 +36204,7 @@ static int mpt__q_conv_float16_direct(mpt_context *ctx, const mpt__quantized *Q,
     a.x = x, a.kernel = op->kernel, a.bias = op->bias, a.act = op->info.activation, a.y = y;
     a.ws = op->conv_ws ? op->conv_ws->bytes : (unsigned char *)w->cols + kernel_bytes;
     a.ws_kept = op->conv_ws && op->conv_ws->kept;
+    a.max_pool2 = max_pool2;
     ran = mpt__cpu_conv_direct(ctx, &a);
     if (op->conv_ws) op->conv_ws->kept = ran; /* (declined: nothing prepared) */
     return ran;
@@ -36004,7 +36223,7 @@ static mpt_status mpt__q_conv(mpt_context *ctx, const mpt__quantized *Q, int i, 
     const int8_t zp = (int8_t)(ex == MPT__QX_INTEGER ? op->info.input.zero_point : 0);
     int64_t chunk = MPT__MAX(1, MPT__MIN(n, MPT__Q_COLS_BUDGET / MPT__MAX(pix * K, 1))), b0;
     float *sample_scale = w->sample_scale;
-    if (ex == MPT__QX_FLOAT16 && mpt__q_conv_float16_direct(ctx, Q, op, x, y, n, w))
+    if (ex == MPT__QX_FLOAT16 && mpt__q_conv_float16_direct(ctx, Q, op, 0, x, y, n, w))
         return MPT_OK;
     if (ex == MPT__QX_DYNAMIC) {
         mpt__q_symmetric_rows_parallel(ctx, (const float *)x, n, op->in_count, w->xq, sample_scale);
@@ -37334,20 +37553,26 @@ static void mpt__q_run_graph_op(mpt_context *ctx, const mpt__quantized *Q, int i
    it, where the whole batch's (11 MB on cnn_small at batch 128) went to
    memory and back. Each output pixel's sums and each window's maximum
    are the same operations on the same values whatever the chunk, so the
-   same bits. *ran: 0 where the direct convolution declines (on the first
-   chunk: it declines by the layer's shape, not the sample count), and
-   nothing was done. */
+   same bits. Where it can, the direct convolution pools the whole batch
+   in its epilogue instead (mpt_conv_args.max_pool2: the same bits again).
+   *ran: 0 where the direct convolution declines (on the first chunk: it
+   declines by the layer's shape, not the sample count), and nothing was
+   done. */
 static mpt_status mpt__q_conv_pool_float16(mpt_context *ctx, const mpt__quantized *Q, int i,
                                            const float *x, float *conv_y, float *pool_y,
                                            int64_t n, mpt__qwork *w, int *ran) {
     const mpt__qop *op = &Q->ops[i], *pool = &Q->ops[i + 1];
     const int64_t chunk = MPT__MAX(1, MPT__CONV_POOL_ELEMS / MPT__MAX(1, op->out_count));
     int64_t b0, cb;
+    *ran = 1;
+    if (mpt__max_pool2_covers(&pool->g) &&
+        mpt__q_conv_float16_direct(ctx, Q, op, 1, x, pool_y, n, w))
+        return MPT_OK; /* the whole batch, pooled in the product's epilogue */
     *ran = 0;
     for (b0 = 0; b0 < n; b0 += cb) {
         const float *xc = x + b0 * op->in_count;
         cb = MPT__MIN(chunk, n - b0);
-        if (!mpt__q_conv_float16_direct(ctx, Q, op, xc, conv_y, cb, w)) {
+        if (!mpt__q_conv_float16_direct(ctx, Q, op, 0, xc, conv_y, cb, w)) {
             if (b0 == 0) return MPT_OK;
             MPT__CHECK(mpt__q_conv(ctx, Q, i, MPT__QX_FLOAT16, xc, conv_y, cb, w));
         }

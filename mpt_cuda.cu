@@ -3008,7 +3008,8 @@ static void mpt__cuda_col2im(void *impl, const mpt_window *g, mpt_dtype dtype, c
    channels), tensors not 16-byte aligned, indices past 2^31, a 1×1
    window of stride 1 that pads nothing (a plain GEMM already), the
    kernel gradient from out and dy (dz NULL: the layer makes dz and calls
-   again), an activation that is not elementwise, no tensor cores, and
+   again), an activation that is not elementwise, a forward max-pooled
+   in the same call (max_pool2: the CPU's), no tensor cores, and
    every call under $MPT_CUDA_CONV=im2col (to tell this path's failures
    from the rest). No workspace: split-K's partials are the GEMM's. */
 
@@ -3049,6 +3050,7 @@ static bool mpt__cuda_conv_takes(const mpt__cuda *c, const mpt_conv_args *a) {
     const bool identity = g->kh == 1 && g->kw == 1 && g->sh == 1 && g->sw == 1 &&
                           g->oh == g->h && g->ow == g->w;
     if (!c->conv_implicit || !c->gemm_cache || !c->gemm_cache->tensor_cores) return false;
+    if (a->max_pool2) return false;
     if (a->dtype != MPT_FLOAT16 && a->dtype != MPT_BFLOAT16) return false;
     if (identity || !mpt__conv_gather_fits(g, a->n, a->f)) return false;
     if (a->kernel_grad)

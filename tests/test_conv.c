@@ -1222,7 +1222,7 @@ static int close_to(const float *a, const float *b, int64_t n, double tol, doubl
    the GEMM's 512 block) at every SIMD level and dtype. */
 static void test_direct_conv(void) {
     static const mpt_dtype dts[] = {MPT_FLOAT32, MPT_BFLOAT16, MPT_FLOAT16};
-    layer_ref cases[28];
+    layer_ref cases[29];
     int n_cases = 0, level, k, t, ran_f32 = 0, ran_bf16 = 0, ran_shallow = 0, ran_pairs = 0;
     int ran_shallow_fwd = 0, ran_wino = 0, ran_wkg = 0, ran_from_dy = 0;
     cases[n_cases++] = conv_case(9, 7, 16, 33, 3, 3, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
@@ -1271,8 +1271,11 @@ static void test_direct_conv(void) {
     cases[n_cases++] = conv_case(12, 7, 1, 64, 3, 2, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     cases[n_cases++] = conv_case(3, 3, 1, 17, 5, 5, 1, 1, MPT_PADDING_SAME, MPT_ACT_TANH, 1);
     cases[n_cases++] = conv_case(6, 14, 1, 49, 1, 3, 1, 1, MPT_PADDING_VALID, MPT_ACT_RELU, 1);
+    /* and more taps than the direct tiles' table holds (MPT__DCONV_MAX_TAPS:
+       9 × 9 = 81), whose windows the tiles inside the image read in place */
+    cases[n_cases++] = conv_case(14, 30, 1, 24, 9, 9, 1, 1, MPT_PADDING_SAME, MPT_ACT_RELU, 1);
     test_seed(23);
-    while (n_cases < 28) {
+    while (n_cases < 29) {
         geom g;
         random_geom(&g, 9, 40, 4);
         g.c = test_randint(16, 40);

@@ -171,16 +171,18 @@ static void test_max_pool2_inference(void) {
 #endif
 }
 
-/* A float16 model's Conv2D and the MaxPooling2D that alone reads it, run by
-   chunks (mpt__q_conv_pool_float16: MPT__CONV_POOL_ELEMS outputs, here 10
-   of 23 samples a chunk, the last chunk 3): the model's pass gives the
-   bytes of its operations run one by one over the whole batch (the
-   Conv2D's direct convolution, then the pooling), on 1 and 2 threads,
-   and of batches of one sample. */
+/* A float16 model's Conv2D and the MaxPooling2D that alone reads it
+   (mpt__q_conv_pool_float16), run by chunks (4 input channels:
+   MPT__CONV_POOL_ELEMS outputs, here 10 of 23 samples a chunk, the last
+   chunk 3) or (1 channel) pooled in the direct convolution's epilogue:
+   the model's pass gives the bytes of its operations run one by one over
+   the whole batch (the Conv2D's direct convolution, then the pooling), on
+   1 and 2 threads, and of batches of one sample. */
 static void test_float16_conv_pool_chunks(void) {
     enum { N = 23, SIDE = 30, FILTERS = 32 };
-    int threads;
-    for (threads = 1; threads <= 2; threads++) {
+    int threads, channels;
+    for (threads = 1; threads <= 2; threads++)
+    for (channels = 1; channels <= 4; channels += 3) {
         mpt_context *c = NULL;
         mpt_model *m = NULL, *q = NULL;
         mpt_conv2d_desc cd;
@@ -188,15 +190,15 @@ static void test_float16_conv_pool_chunks(void) {
         mpt_dense_desc dd;
         mpt__quantized *Q;
         mpt__qwork *w = NULL;
-        float *x = (float *)malloc(sizeof(float) * N * SIDE * SIDE);
+        float *x = (float *)malloc(sizeof(float) * N * SIDE * SIDE * (size_t)channels);
         void *buf[8] = {NULL};
         const void *out = NULL;
         int64_t i, n;
         int op, ran = 0;
         CHECK(mpt_context_create(&(mpt_context_desc){.num_threads = threads}, &c) == MPT_OK,
               "context");
-        mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, 1}, .input_rank = 3,
-                                              .seed = 5}, &m);
+        mpt_model_create(c, &(mpt_model_desc){.input_shape = {SIDE, SIDE, channels},
+                                              .input_rank = 3, .seed = 5}, &m);
         memset(&cd, 0, sizeof cd);
         cd.filters = FILTERS, cd.kernel_size[0] = cd.kernel_size[1] = 3;
         cd.activation = MPT_ACT_RELU;
@@ -220,7 +222,7 @@ static void test_float16_conv_pool_chunks(void) {
         Q = q->quantized;
         CHECK(Q->n_ops == 4 && Q->ops[0].fuse_pool &&
               MPT__CONV_POOL_ELEMS / Q->ops[0].out_count == 10, "the ops: %d", Q->n_ops);
-        for (i = 0; i < N * SIDE * SIDE; i++)
+        for (i = 0; i < N * SIDE * SIDE * channels; i++)
             x[i] = i % 7 == 3 ? 0.0f : (float)test_uniform(-1, 1);
         CHECK(mpt__qwork_reuse(c, Q, N, &w) == MPT_OK, "work");
         for (n = N; w && n >= 1; n = n == 1 ? 0 : 1) {
@@ -231,10 +233,16 @@ static void test_float16_conv_pool_chunks(void) {
                                     w) == MPT_OK, "op %d", op);
             buf[6] = malloc(sizeof(float) * (size_t)(n * Q->ops[0].out_count));
             buf[7] = malloc(sizeof(float) * (size_t)(n * Q->ops[1].out_count));
+            memset(buf[6], 0x7F, sizeof(float) * (size_t)(n * Q->ops[0].out_count));
             CHECK(mpt__q_conv_pool_float16(c, Q, 0, x, (float *)buf[6], (float *)buf[7], n, w,
-                                           &ran) == MPT_OK && ran, "the chunks did not run");
+                                           &ran) == MPT_OK && ran, "the pair did not run");
+            for (i = 0; i < n * Q->ops[0].out_count && ((unsigned char *)buf[6])[i] == 0x7F; i++) {}
+            CHECK((i == n * Q->ops[0].out_count) == (channels == 1),
+                  "%d channels: the Conv2D's output %s", channels,
+                  channels == 1 ? "written (not pooled in the epilogue)" : "not written (no chunks)");
             CHECK(memcmp(buf[7], buf[2], sizeof(float) * (size_t)(n * Q->ops[1].out_count)) == 0,
-                  "%d threads, %lld samples: the chunks' pooling differs", threads, (long long)n);
+                  "%d channels, %d threads, %lld samples: the pair's pooling differs", channels,
+                  threads, (long long)n);
             free(buf[6]), free(buf[7]);
             CHECK(mpt__q_forward(c, Q, MPT__QX_FLOAT16, x, n, w, NULL, &out) == MPT_OK && out,
                   "forward: %s", mpt_context_error(c));
@@ -414,6 +422,7 @@ typedef struct pair_case {
     mpt_dtype dtype;
     int conv_before;        /* a Conv2D in front, so the pair's dx is used   */
     int need;               /* CPU features the pair's direct path needs     */
+    mpt_padding conv_pad;   /* the Conv2D's                                  */
 } pair_case;
 
 typedef struct pair_run {
@@ -424,7 +433,17 @@ typedef struct pair_run {
     int y_untouched;        /* its own y kept the poison put there           */
     float *out, *dx;        /* the model's output and input gradient         */
     float *infer;           /* its output from an inference forward after    */
+    int pooled2;            /* there, conv_direct pooled in its epilogue     */
 } pair_run;
+
+/* conv_direct calls that pooled in their epilogue (mpt_conv_args.max_pool2) */
+static int pooled2_calls;
+
+static int counting_conv_direct(void *impl, const mpt_conv_args *a) {
+    const int done = mpt__cpu_conv_direct(impl, a);
+    pooled2_calls += done && a->max_pool2;
+    return done;
+}
 
 /* One training forward and backward of [Conv2D] Conv2D MaxPooling2D
    Flatten Dense, the pair fused or (unfuse) not, on `threads` threads;
@@ -447,6 +466,7 @@ static void pair_pass(const pair_case *pc, int threads, int unfuse, const float 
                                                      .activation = MPT_ACT_RELU,
                                                      .dtype = pc->dtype});
     mpt_model_add_conv2d(r->m, &(mpt_conv2d_desc){.filters = pc->filters, .kernel_size = {3, 3},
+                                                 .padding = pc->conv_pad,
                                                  .activation = pc->act, .dtype = pc->dtype,
                                                  .bias_initializer = MPT_INIT_GLOROT_UNIFORM});
     memset(&pool, 0, sizeof pool);
@@ -480,8 +500,12 @@ static void pair_pass(const pair_case *pc, int threads, int unfuse, const float 
           mpt_context_error(r->c));
     r->dx = (float *)malloc(sizeof(float) * (size_t)n_in);
     mpt_convert(r->c, MPT_FLOAT32, r->dx, tdx.dtype, tdx.data, n_in);
+    pooled2_calls = 0;
+    mpt__cpu_table.conv_direct = counting_conv_direct;
     CHECK(mpt_model_forward(r->m, &tx, 0, &ty) == MPT_OK, "inference: %s",
           mpt_context_error(r->c));
+    mpt__cpu_table.conv_direct = mpt__cpu_conv_direct;
+    r->pooled2 = pooled2_calls;
     r->infer = (float *)malloc(sizeof(float) * (size_t)mpt_tensor_count(&ty));
     mpt_convert(r->c, MPT_FLOAT32, r->infer, ty.dtype, ty.data, mpt_tensor_count(&ty));
 }
@@ -515,23 +539,30 @@ static int pair_same_grad(pair_run *a, pair_run *b, int k, int exact, double tol
    and input gradient bits, the same gradients (the pair's Conv2D's up to
    the association of its chunk sums), the same bits on 1 and 2 threads,
    the same output from an inference forward (its pooling without an
-   argmax, 2×2 windows a sample at a time); and its own y never written,
-   so the pair did run. Shapes give several
+   argmax, 2×2 windows a sample at a time, or for one input channel in
+   the product's epilogue, where the windows read the padding in one case);
+   and its own y never written, so the pair did run. Shapes give several
    chunks of the pair (MPT__CONV_POOL_ELEMS outputs), odd sizes leave
    pixels no window reads, overlapping 'same' windows share pixels. */
 static void test_conv_pool_pair(void) {
     static const pair_case cases[] = {
         /* one input channel (the CNN-small's first layer) */
-        {23, 30, 30, 1, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 0, MPT_CPU_AVX512},
+        {23, 30, 30, 1, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 0, MPT_CPU_AVX512,
+         MPT_PADDING_VALID},
         {23, 30, 29, 1, 20, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_BFLOAT16, 0,
-         MPT_CPU_AVX512_BF16},
-        {23, 29, 30, 1, 40, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT16, 0, MPT_CPU_AVX512},
+         MPT_CPU_AVX512_BF16, MPT_PADDING_VALID},
+        {23, 29, 30, 1, 40, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT16, 0, MPT_CPU_AVX512,
+         MPT_PADDING_VALID},
+        {5, 28, 27, 1, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_NONE, MPT_FLOAT32, 0, MPT_CPU_AVX512,
+         MPT_PADDING_SAME},
         /* Winograd's products (float32, float16), a Conv2D in front */
-        {80, 15, 13, 16, 24, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 1, MPT_CPU_AVX512},
-        {9, 15, 13, 16, 24, 3, 2, MPT_PADDING_SAME, MPT_ACT_NONE, MPT_FLOAT16, 1, MPT_CPU_AVX512},
+        {80, 15, 13, 16, 24, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 1, MPT_CPU_AVX512,
+         MPT_PADDING_VALID},
+        {9, 15, 13, 16, 24, 3, 2, MPT_PADDING_SAME, MPT_ACT_NONE, MPT_FLOAT16, 1, MPT_CPU_AVX512,
+         MPT_PADDING_VALID},
         /* the direct tiles (bfloat16) */
         {17, 26, 26, 12, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_BFLOAT16, 1,
-         MPT_CPU_AVX512_BF16},
+         MPT_CPU_AVX512_BF16, MPT_PADDING_VALID},
     };
     int ci, k;
     for (ci = 0; ci < (int)(sizeof cases / sizeof cases[0]); ci++) {
@@ -555,6 +586,14 @@ static void test_conv_pool_pair(void) {
         else
             SKIP("this CPU lacks the direct path the pair needs");
         CHECK(!alone.fused && !alone.y_untouched, "the unfused model ran the pair");
+        /* inference: a one-channel Conv2D pools its 2×2 windows in the
+           product's epilogue, the whole batch in one call */
+        if ((mpt_context_cpu_features(fused.c) & pc->need) == pc->need) {
+            const int pools = pc->c == 1 && pc->k == 2 && pc->stride == 2;
+            CHECK(fused.pooled2 == pools && fused1.pooled2 == pools && alone.pooled2 == 0,
+                  "conv_direct's pooled calls: %d, %d on 1 thread, %d apart (want %d, %d, 0)",
+                  fused.pooled2, fused1.pooled2, alone.pooled2, pools, pools);
+        }
         CHECK(memcmp(fused.out, alone.out, sizeof(float) * (size_t)n_out) == 0, "output");
         CHECK(memcmp(fused.infer, alone.out, sizeof(float) * (size_t)n_out) == 0 &&
                   memcmp(alone.infer, alone.out, sizeof(float) * (size_t)n_out) == 0,
@@ -567,9 +606,10 @@ static void test_conv_pool_pair(void) {
             CHECK(pair_same_grad(&fused, &fused1, k, 1, 0), "parameter %d's gradient on 1 thread",
                   k);
         }
-        test__end("conv+pool pair in=(%lld,%lld,%lld) filters %lld pool %lld/%lld %s %s %s",
+        test__end("conv+pool pair in=(%lld,%lld,%lld) filters %lld%s pool %lld/%lld %s %s %s",
                   (long long)pc->h, (long long)pc->w, (long long)pc->c, (long long)pc->filters,
-                  (long long)pc->k, (long long)pc->stride,
+                  pc->conv_pad == MPT_PADDING_SAME ? " same" : "", (long long)pc->k,
+                  (long long)pc->stride,
                   pc->pad == MPT_PADDING_SAME ? "same" : "valid",
                   pc->act == MPT_ACT_RELU ? "relu" : "linear", mpt_dtype_name(pc->dtype));
         pair_free(&fused), pair_free(&fused1), pair_free(&alone);

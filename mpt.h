@@ -16014,6 +16014,25 @@ static void mpt__expand_u8(const mpt_dataset *d, mpt_dtype dtype, void *dst, con
     }
 }
 
+#if MPT__X86
+/* The same into float32 with AVX-512, 16 bytes at a time: the table's
+   values are fmaf(v, scale, offset) (mpt__dataset_set_scale), which the
+   vector FMA rounds alike, so the same bits. A lookup per byte took ~27
+   µs of one core for a batch of 128 Fashion-MNIST images, before
+   predict's first layer could start (the mlp's dynamic-range int8
+   predict: 5 % of its time on one thread, 6 % on two). */
+MPT__TARGET_AVX512 static void mpt__expand_u8_f32_avx512(const mpt_dataset *d, float *o,
+                                                         const uint8_t *src, int64_t n) {
+    const __m512 scale = _mm512_set1_ps(d->scale), offset = _mm512_set1_ps(d->offset);
+    int64_t i;
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm512_storeu_ps(o + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, offset));
+    }
+    for (; i < n; i++) o[i] = d->u8_f32[src[i]];
+}
+#endif
+
 /* Writes samples indices[0..n) (each in [0, count)) of d, in that order,
    into x (n, sample shape) in x_dtype (float32, float16 or bfloat16, or
    d's own dtype: the samples as stored, uint8 not normalised) and y
@@ -16039,6 +16058,11 @@ static void mpt__gather_samples(mpt_context *ctx, const mpt_dataset *d, const vo
         char *dst = (char *)out + (size_t)i * out_bytes;
         if (dtype == out_dtype)
             memcpy(dst, src, in_bytes);
+#if MPT__X86
+        else if (dtype == MPT_UINT8 && out_dtype == MPT_FLOAT32 && ctx &&
+                 (ctx->cpu & MPT_CPU_AVX512))
+            mpt__expand_u8_f32_avx512(d, (float *)(void *)dst, (const uint8_t *)src, count);
+#endif
         else if (dtype == MPT_UINT8)
             mpt__expand_u8(d, out_dtype, dst, (const uint8_t *)src, count);
         else

@@ -1377,6 +1377,37 @@ static void test_gather_dtypes(void) {
     test__end("gather: uint8 default scale 1/255 into float16, every byte value");
 }
 
+/* uint8 samples into float32 with AVX-512 (16 bytes at a time, a
+   sample's last bytes through the table) give the table's bits, the
+   portable gather's: samples of 37 bytes (two vectors and a tail of 5),
+   every byte value, a scale and offset whose products round. */
+static void test_gather_u8_vector(void) {
+    enum { N = 9, PER = 37 };
+    static uint8_t xu[N * PER];
+    static float vec[N * PER], plain[N * PER];
+    const int64_t order[5] = {8, 0, 4, 4, 2};
+    mpt_tensor x = tensor(MPT_UINT8, 2, N, PER, 0, xu);
+    mpt_dataset_desc desc;
+    mpt_dataset *d = NULL;
+    int64_t i, bad = 0;
+    for (i = 0; i < N * PER; i++) xu[i] = (uint8_t)(7 * i + i / 256);
+    memset(&desc, 0, sizeof desc);
+    desc.x = &x;
+    desc.scale = 1.0f / 3.0f;
+    desc.offset = 0.1f;
+    CHECK(mpt_dataset_create(ctx, &desc, &d) == MPT_OK, "%s", mpt_context_error(ctx));
+    memset(vec, 0xff, sizeof vec);
+    memset(plain, 0, sizeof plain);
+    if (d) {
+        mpt__dataset_gather(ctx, d, order, 5, MPT_FLOAT32, vec, NULL);
+        mpt__dataset_gather(NULL, d, order, 5, MPT_FLOAT32, plain, NULL); /* the table */
+    }
+    for (i = 0; d && i < 5 * PER; i++)
+        bad += vec[i] != plain[i] || vec[i] != d->u8_f32[xu[order[i / PER] * PER + i % PER]];
+    CHECK(d && bad == 0, "%lld of %d values differ from the table's", (long long)bad, 5 * PER);
+    mpt_dataset_destroy(d);
+}
+
 /* ---- the loader -------------------------------------------------------------- */
 
 typedef struct loader_fixture {
@@ -1825,6 +1856,7 @@ int main(void) {
     test_reshape();
     test_labels_and_targets();
     test_gather_dtypes();
+    TEST_RUN(test_gather_u8_vector);
     test_loader_batches();
     TEST_RUN(test_loader_epochs);
     TEST_RUN(test_loader_restart_while_loading);

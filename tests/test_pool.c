@@ -423,6 +423,7 @@ typedef struct pair_case {
     int conv_before;        /* a Conv2D in front, so the pair's dx is used   */
     int need;               /* CPU features the pair's direct path needs     */
     mpt_padding conv_pad;   /* the Conv2D's                                  */
+    int64_t conv_sh;        /* its stride along the height                   */
 } pair_case;
 
 typedef struct pair_run {
@@ -466,6 +467,7 @@ static void pair_pass(const pair_case *pc, int threads, int unfuse, const float 
                                                      .activation = MPT_ACT_RELU,
                                                      .dtype = pc->dtype});
     mpt_model_add_conv2d(r->m, &(mpt_conv2d_desc){.filters = pc->filters, .kernel_size = {3, 3},
+                                                 .strides = {pc->conv_sh, 1},
                                                  .padding = pc->conv_pad,
                                                  .activation = pc->act, .dtype = pc->dtype,
                                                  .bias_initializer = MPT_INIT_GLOROT_UNIFORM});
@@ -548,21 +550,23 @@ static void test_conv_pool_pair(void) {
     static const pair_case cases[] = {
         /* one input channel (the CNN-small's first layer) */
         {23, 30, 30, 1, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 0, MPT_CPU_AVX512,
-         MPT_PADDING_VALID},
+         MPT_PADDING_VALID, 1},
         {23, 30, 29, 1, 20, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_BFLOAT16, 0,
-         MPT_CPU_AVX512_BF16, MPT_PADDING_VALID},
+         MPT_CPU_AVX512_BF16, MPT_PADDING_VALID, 1},
         {23, 29, 30, 1, 40, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT16, 0, MPT_CPU_AVX512,
-         MPT_PADDING_VALID},
+         MPT_PADDING_VALID, 1},
         {5, 28, 27, 1, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_NONE, MPT_FLOAT32, 0, MPT_CPU_AVX512,
-         MPT_PADDING_SAME},
+         MPT_PADDING_SAME, 1},
+        {6, 41, 26, 1, 24, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 0, MPT_CPU_AVX512,
+         MPT_PADDING_VALID, 2},
         /* Winograd's products (float32, float16), a Conv2D in front */
         {80, 15, 13, 16, 24, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_FLOAT32, 1, MPT_CPU_AVX512,
-         MPT_PADDING_VALID},
+         MPT_PADDING_VALID, 1},
         {9, 15, 13, 16, 24, 3, 2, MPT_PADDING_SAME, MPT_ACT_NONE, MPT_FLOAT16, 1, MPT_CPU_AVX512,
-         MPT_PADDING_VALID},
+         MPT_PADDING_VALID, 1},
         /* the direct tiles (bfloat16) */
         {17, 26, 26, 12, 32, 2, 2, MPT_PADDING_VALID, MPT_ACT_RELU, MPT_BFLOAT16, 1,
-         MPT_CPU_AVX512_BF16, MPT_PADDING_VALID},
+         MPT_CPU_AVX512_BF16, MPT_PADDING_VALID, 1},
     };
     int ci, k;
     for (ci = 0; ci < (int)(sizeof cases / sizeof cases[0]); ci++) {
@@ -606,9 +610,10 @@ static void test_conv_pool_pair(void) {
             CHECK(pair_same_grad(&fused, &fused1, k, 1, 0), "parameter %d's gradient on 1 thread",
                   k);
         }
-        test__end("conv+pool pair in=(%lld,%lld,%lld) filters %lld%s pool %lld/%lld %s %s %s",
+        test__end("conv+pool pair in=(%lld,%lld,%lld) filters %lld%s%s pool %lld/%lld %s %s %s",
                   (long long)pc->h, (long long)pc->w, (long long)pc->c, (long long)pc->filters,
-                  pc->conv_pad == MPT_PADDING_SAME ? " same" : "", (long long)pc->k,
+                  pc->conv_pad == MPT_PADDING_SAME ? " same" : "",
+                  pc->conv_sh > 1 ? " strides (2, 1)" : "", (long long)pc->k,
                   (long long)pc->stride,
                   pc->pad == MPT_PADDING_SAME ? "same" : "valid",
                   pc->act == MPT_ACT_RELU ? "relu" : "linear", mpt_dtype_name(pc->dtype));

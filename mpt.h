@@ -31504,19 +31504,15 @@ MPT__TARGET_AVX512 static void mpt__shallow_pool2_tiles(const mpt__dconv_job *j,
 }
 #endif /* MPT__X86 */
 
-static void mpt__shallow_pool2_task(void *arg, int64_t task, int thread) {
-    (void)thread;
-#if MPT__X86
-    mpt__shallow_pool2_tiles((const mpt__dconv_job *)arg, task);
-#else
-    (void)arg, (void)task; /* never called: conv_direct declines first */
-#endif
-}
-
+/* Task `task` of the output pixels' tiles, or (max_pool2) of the pooled
+   pixels' tiles. */
 static void mpt__shallow_task(void *arg, int64_t task, int thread) {
     (void)thread;
 #if MPT__X86
-    mpt__shallow_tiles((const mpt__dconv_job *)arg, task);
+    if (((const mpt__dconv_job *)arg)->a->max_pool2)
+        mpt__shallow_pool2_tiles((const mpt__dconv_job *)arg, task);
+    else
+        mpt__shallow_tiles((const mpt__dconv_job *)arg, task);
 #else
     (void)arg, (void)task; /* never called: conv_direct declines first */
 #endif
@@ -31607,7 +31603,7 @@ static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
         mpt__parallel_for(ctx,
                           (windows + MPT__POOL2_WINDOWS * MPT__DCONV_TILES_PER_TASK - 1) /
                               (MPT__POOL2_WINDOWS * MPT__DCONV_TILES_PER_TASK),
-                          mpt__shallow_pool2_task, &j);
+                          mpt__shallow_task, &j);
         return 1;
     }
     mpt__parallel_for(ctx,

@@ -36231,7 +36231,9 @@ static int mpt__q_conv_float16_direct(mpt_context *ctx, const mpt__quantized *Q,
     a.ws_kept = op->conv_ws && op->conv_ws->kept;
     a.max_pool2 = max_pool2;
     ran = mpt__cpu_conv_direct(ctx, &a);
-    if (op->conv_ws) op->conv_ws->kept = ran; /* (declined: nothing prepared) */
+    /* declined: nothing prepared; but a declined max_pool2 was declined
+       before the workspace was touched, and what it held is still there */
+    if (op->conv_ws && (ran || !max_pool2)) op->conv_ws->kept = ran;
     return ran;
 }
 

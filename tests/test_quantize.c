@@ -2505,16 +2505,24 @@ static void test_small_conv_scalar_reference(void) {
    Winograd's 3×3 and the tiles, with and without ReLU, on 1 and 2 threads;
    and again on the next calls (batches of 1, then all), which read the
    kernel the first one prepared (conv_ws, kept: the one-channel and
-   Winograd cases). */
+   Winograd cases). With a MaxPooling2D after it (the last case: Winograd
+   in chunks, its pooling declined by the epilogue), the next call still
+   reads the kernel kept, not one prepared again: with the kept one
+   spoilt, its outputs change. */
 static void test_float16_conv_direct(void) {
-    static const struct { int64_t h, w, c, filters, k, stride; mpt_padding pad; int relu; } cases[] = {
-        {28, 28, 1, 32, 3, 1, MPT_PADDING_VALID, 1},
-        {10, 9, 16, 16, 3, 1, MPT_PADDING_SAME, 0},
-        {11, 9, 3, 8, 5, 2, MPT_PADDING_SAME, 1},
+    static const struct {
+        int64_t h, w, c, filters, k, stride;
+        mpt_padding pad;
+        int relu, pool;
+    } cases[] = {
+        {28, 28, 1, 32, 3, 1, MPT_PADDING_VALID, 1, 0},
+        {10, 9, 16, 16, 3, 1, MPT_PADDING_SAME, 0, 0},
+        {11, 9, 3, 8, 5, 2, MPT_PADDING_SAME, 1, 0},
+        {10, 12, 16, 16, 3, 1, MPT_PADDING_SAME, 1, 1},
     };
     enum { N = 7 };
     int ci, threads;
-    for (ci = 0; ci < 3; ci++)
+    for (ci = 0; ci < (int)(sizeof cases / sizeof cases[0]); ci++)
         for (threads = 1; threads <= 2; threads++) {
             mpt_context *ctx = test_ctx_logging(threads, quiet_logger);
             mpt_model *m = NULL, *q = NULL;
@@ -2535,6 +2543,8 @@ static void test_float16_conv_direct(void) {
                 .filters = cases[ci].filters, .kernel_size = {cases[ci].k, cases[ci].k},
                 .strides = {cases[ci].stride, cases[ci].stride}, .padding = cases[ci].pad,
                 .activation = cases[ci].relu ? MPT_ACT_RELU : MPT_ACT_NONE});
+            if (cases[ci].pool)
+                mpt_model_add_max_pooling2d(m, &(mpt_pool2d_desc){.pool_size = {2, 2}});
             mpt_model_add_flatten(m, NULL);
             CHECK(mpt_model_build(m, N) == MPT_OK, "build: %s", mpt_context_error(ctx));
             randomize(m, 500 + ci);
@@ -2571,6 +2581,16 @@ static void test_float16_conv_direct(void) {
                 CHECK(a.data && c.data && diff == 0,
                       "case %d, %d threads, call %d: %d outputs differ with the kept kernel", ci,
                       threads, (int)k + 2, diff);
+                mpt_tensor_free(ctx, &c);
+            }
+            if (cases[ci].pool && q && q->quantized->ops[0].conv_ws) {
+                mpt_tensor c;
+                memset(&c, 0, sizeof c);
+                memset(q->quantized->ops[0].conv_ws->bytes, 0x3C, 256); /* (kept stays 1) */
+                CHECK(mpt_model_predict(q, d, N, &c) == MPT_OK && c.data &&
+                          memcmp(c.data, a.data, mpt_tensor_bytes(&a)) != 0,
+                      "case %d, %d threads: the spoilt kernel was prepared again, not read",
+                      ci, threads);
                 mpt_tensor_free(ctx, &c);
             }
             mpt_tensor_free(ctx, &a);

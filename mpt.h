@@ -7231,6 +7231,9 @@ MPT__LAYER_ENTRY_POINTS(mpt_model_add_global_average_pooling2d, mpt_global_avera
    and bias gradients are summed over the pair's chunks, which may be
    smaller than the Conv2D's own: the same sums in another association
    (and for any thread count the same bits).
+   Outside training a one-channel Conv2D pools 2×2 windows in its
+   product's epilogue instead, the whole batch in one call
+   (mpt_conv_args.max_pool2, @impl-conv-shallow): no chunks, no scratch.
    On the CPU only (a GPU's memory keeps up), for ReLU or no activation,
    one dtype for both layers, and where the backend's direct convolution
    takes the layer: in chunks, im2col and a GEMM of a few samples each
@@ -16015,6 +16018,7 @@ static void mpt__expand_u8(const mpt_dataset *d, mpt_dtype dtype, void *dst, con
 }
 
 #if MPT__X86
+MPT__AVX512_QUIET_BEGIN
 /* The same into float32 with AVX-512, 16 bytes at a time: the table's
    values are fmaf(v, scale, offset) (mpt__dataset_set_scale), which the
    vector FMA rounds alike, so the same bits. A lookup per byte took ~27
@@ -16031,6 +16035,7 @@ MPT__TARGET_AVX512 static void mpt__expand_u8_f32_avx512(const mpt_dataset *d, f
     }
     for (; i < n; i++) o[i] = d->u8_f32[src[i]];
 }
+MPT__AVX512_QUIET_END
 #endif
 
 /* Writes samples indices[0..n) (each in [0, count)) of d, in that order,
@@ -31370,13 +31375,12 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__pool2_store_as(mpt_dtype 
             const __mmask16 k = mpt__gemm_mask16(nb - 16 * h);
             const float *top = tile + 32 * 2 * q + 16 * h;
             const float *bottom = top + 32 * MPT__DCONV_MR / 2;
+            const size_t at = (size_t)((w0 + q) * j->oc + o0 + 16 * h);
             __m512 best = mpt__pool2_pixel(dtype, top, k);
             best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, top + 32, k));
             best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, bottom, k));
             best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, bottom + 32, k));
-            mpt__avx512_store(dtype,
-                              (unsigned char *)j->a->y + (size_t)((w0 + q) * j->oc + o0 + 16 * h) * es,
-                              best, k);
+            mpt__avx512_store(dtype, (unsigned char *)j->a->y + at * es, best, k);
         }
 }
 
@@ -31548,7 +31552,9 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a);
 
 /* The CPU backend's conv_direct: with AVX-512 for float32, with AVX-512
    BF16 for bfloat16 when the channels summed over come in pairs, or for
-   the forward of a one-channel image (mpt__shallow_task, either dtype). */
+   the forward of a one-channel image (mpt__shallow_task, either dtype;
+   it alone takes max_pool2). A case it declines (0) leaves ws as it was:
+   a caller may still read a kernel kept there. */
 static int mpt__cpu_conv_direct(void *impl, const mpt_conv_args *a) {
     mpt_context *ctx = (mpt_context *)impl;
     const mpt_window *g = a->g;

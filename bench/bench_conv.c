@@ -76,7 +76,7 @@ static void data_former_chunk(mpt__layer *L, const mpt__pass *p, const mpt__conv
 
 static void data_direct_chunk(mpt__layer *L, const mpt__pass *p, const mpt__conv_plan *c,
                               int64_t b0, int64_t n) {
-    if (!mpt__conv2d_direct(L, p, c, 1,
+    if (!mpt__conv2d_direct(L, p, c, 1, 0,
                             (const unsigned char *)p->dy + (size_t)(b0 * c->pix * c->f) * c->es,
                             (unsigned char *)p->dx + (size_t)(b0 * L->in_count) * c->es, n,
                             p->workspace, b0 != 0))

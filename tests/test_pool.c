@@ -239,7 +239,8 @@ static void test_float16_conv_pool_chunks(void) {
             for (i = 0; i < n * Q->ops[0].out_count && ((unsigned char *)buf[6])[i] == 0x7F; i++) {}
             CHECK((i == n * Q->ops[0].out_count) == (channels == 1),
                   "%d channels: the Conv2D's output %s", channels,
-                  channels == 1 ? "written (not pooled in the epilogue)" : "not written (no chunks)");
+                  channels == 1 ? "written (not pooled in the epilogue)"
+                                : "not written (no chunks)");
             CHECK(memcmp(buf[7], buf[2], sizeof(float) * (size_t)(n * Q->ops[1].out_count)) == 0,
                   "%d channels, %d threads, %lld samples: the pair's pooling differs", channels,
                   threads, (long long)n);

@@ -6803,6 +6803,20 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__max_step_avx512(__m512 
     return _mm512_mask_mov_ps(best, _mm512_mask_cmp_ps_mask(open, v, best, _CMP_NLE_UQ), v);
 }
 
+/* A 2×2 window's maxima, its pixels in the window's order (top left, top
+   right, bottom left, bottom right): the first is the maximum so far, the
+   next three step by mpt__max_step_avx512. Every 2×2 max pooling on the
+   CPU reduces through here (mpt__max_pool2_lanes_avx512, the one-channel
+   Conv2D's epilogue), so they give the same maxima. */
+MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__max2x2_avx512(__m512 top_left,
+                                                                      __m512 top_right,
+                                                                      __m512 bottom_left,
+                                                                      __m512 bottom_right) {
+    return mpt__max_step_avx512(
+        mpt__max_step_avx512(mpt__max_step_avx512(top_left, top_right), bottom_left),
+        bottom_right);
+}
+
 /* A sample's 2×2 windows of stride 2 inside the image (mpt__max_pool2_fits)
    without argmax, as inference pools (a CNN's usual pooling): the four
    pixels read from two input rows, in the window's order, one call a
@@ -6823,11 +6837,12 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__max_pool2_lanes_avx512(
             for (e = 0; e < g->c; e += 16, p += 16 * es, out += 16 * es) {
                 const __mmask16 m =
                     (__mmask16)(g->c - e >= 16 ? 0xffff : (1u << (g->c - e)) - 1);
-                __m512 best = mpt__avx512_load(dtype, p, m);
-                best = mpt__max_step_avx512(best, mpt__avx512_load(dtype, p + right, m));
-                best = mpt__max_step_avx512(best, mpt__avx512_load(dtype, p + down, m));
-                best = mpt__max_step_avx512(best, mpt__avx512_load(dtype, p + down + right, m));
-                mpt__avx512_store(dtype, out, best, m);
+                mpt__avx512_store(dtype, out,
+                                  mpt__max2x2_avx512(mpt__avx512_load(dtype, p, m),
+                                                     mpt__avx512_load(dtype, p + right, m),
+                                                     mpt__avx512_load(dtype, p + down, m),
+                                                     mpt__avx512_load(dtype, p + down + right, m)),
+                                  m);
             }
         }
 }
@@ -7303,23 +7318,20 @@ static int mpt__conv2d_pool_forward(mpt__layer *L, const mpt__pass *p) {
     mpt__conv_plan c;
     mpt__win pg;
     mpt__pass q = *p;
+    /* the kernel the direct product prepares: the previous chunk's, or
+       predict's from an earlier call (p->kept_ws) */
+    void *ws = p->kept_ws ? p->kept_ws : p->workspace;
     int64_t off[MPT__CP_PIECES], n, b0;
     mpt__conv_pool_setup(L, p->model->max_batch, p->be, p->impl, &c, &pg, off);
     /* outside training, the whole batch pooled in the product's epilogue
        where the backend does it (nothing written in between) */
-    if (!p->training && mpt__max_pool2_covers(&pg)) {
-        void *ws = p->kept_ws ? p->kept_ws : q.workspace;
-        if (mpt__conv2d_direct(L, &q, &c, 0, 1, p->x, P->y, p->batch, ws,
-                               p->kept_ws && *p->kept)) {
-            if (p->kept_ws) *p->kept = 1;
-            return 1;
-        }
+    if (!p->training && mpt__max_pool2_covers(&pg) &&
+        mpt__conv2d_direct(L, &q, &c, 0, 1, p->x, P->y, p->batch, ws, p->kept_ws && *p->kept)) {
+        if (p->kept_ws) *p->kept = 1;
+        return 1;
     }
     n = mpt__conv_pool_chunk(&c);
     for (b0 = 0; b0 < p->batch; b0 += n) {
-        /* the kernel the direct product prepares: the previous chunk's, or
-           predict's from an earlier call (p->kept_ws) */
-        void *ws = p->kept_ws ? p->kept_ws : q.workspace;
         const int kept = b0 != 0 || (p->kept_ws && *p->kept);
         q.batch = MPT__MIN(n, p->batch - b0);
         q.x = (const unsigned char *)p->x + (size_t)(b0 * L->in_count) * c.es;
@@ -16038,14 +16050,6 @@ MPT__TARGET_AVX512 static void mpt__expand_u8_f32_avx512(const mpt_dataset *d, f
 MPT__AVX512_QUIET_END
 #endif
 
-/* Writes samples indices[0..n) (each in [0, count)) of d, in that order,
-   into x (n, sample shape) in x_dtype (float32, float16 or bfloat16, or
-   d's own dtype: the samples as stored, uint8 not normalised) and y
-   (n, label count) int32 or float32; either may be NULL when not wanted.
-   A text dataset's windows are written out here from its bytes, as int32
-   ids (the only x_dtype the loader asks of an int32 dataset).
-   Serial and never uses the pool, so the loader's thread may call it while
-   the pool works; ctx only picks the vector conversion (NULL: portable). */
 /* Samples indices[0..n) of `data` ((samples, count) in dtype: x, or an
    added input) into out (n, count) in out_dtype, as mpt__dataset_gather
    says. */
@@ -16075,9 +16079,16 @@ static void mpt__gather_samples(mpt_context *ctx, const mpt_dataset *d, const vo
     }
 }
 
-static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d,
-                                       const int64_t *indices, int64_t n, mpt_dtype x_dtype,
-                                       void *x, void *y) {
+/* Writes samples indices[0..n) (each in [0, count)) of d, in that order,
+   into x (n, sample shape) in x_dtype (float32, float16 or bfloat16, or
+   d's own dtype: the samples as stored, uint8 not normalised) and y
+   (n, label count) int32 or float32; either may be NULL when not wanted.
+   A text dataset's windows are written out here from its bytes, as int32
+   ids (the only x_dtype the loader asks of an int32 dataset).
+   Serial and never uses the pool, so the loader's thread may call it while
+   the pool works; ctx only picks the vector conversion (NULL: portable). */
+static void mpt__dataset_gather(mpt_context *ctx, const mpt_dataset *d, const int64_t *indices,
+                                int64_t n, mpt_dtype x_dtype, void *x, void *y) {
     size_t y_bytes = (size_t)d->y_count * 4; /* int32 or float32 */
     int64_t i;
     if (d->window) { /* int32 ids, as the loader asks for int32 datasets */
@@ -31347,10 +31358,10 @@ MPT__TARGET_AVX512 static void mpt__shallow_widen_rows(const mpt_half *stage, in
    hand-off to the pool, not two a chunk: with the windows read in place,
    cnn_small's float32 predict of 128 images took 0.90× the time on one
    thread, 0.83× on two. Each pixel's sums and epilogue are
-   mpt__shallow_tiles', each window's maxima mpt__max_pool2_lanes_avx512's
-   in its order: the same bits. */
+   mpt__shallow_tiles', each window's maxima mpt__max2x2_avx512's, as the
+   pooling layer's: the same bits. */
 
-/* The finished tile's row r, 16 filters (mask k), rounded to dtype as
+/* A row of the finished tile, 16 filters (mask k), rounded to dtype as
    storing it would round it. */
 MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE __m512 mpt__pool2_pixel(mpt_dtype dtype,
                                                                    const float *row,
@@ -31376,11 +31387,12 @@ MPT__TARGET_AVX512 static MPT__ALWAYS_INLINE void mpt__pool2_store_as(mpt_dtype 
             const float *top = tile + 32 * 2 * q + 16 * h;
             const float *bottom = top + 32 * MPT__DCONV_MR / 2;
             const size_t at = (size_t)((w0 + q) * j->oc + o0 + 16 * h);
-            __m512 best = mpt__pool2_pixel(dtype, top, k);
-            best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, top + 32, k));
-            best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, bottom, k));
-            best = mpt__max_step_avx512(best, mpt__pool2_pixel(dtype, bottom + 32, k));
-            mpt__avx512_store(dtype, (unsigned char *)j->a->y + at * es, best, k);
+            mpt__avx512_store(dtype, (unsigned char *)j->a->y + at * es,
+                              mpt__max2x2_avx512(mpt__pool2_pixel(dtype, top, k),
+                                                 mpt__pool2_pixel(dtype, top + 32, k),
+                                                 mpt__pool2_pixel(dtype, bottom, k),
+                                                 mpt__pool2_pixel(dtype, bottom + 32, k)),
+                              k);
         }
 }
 

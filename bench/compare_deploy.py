@@ -150,8 +150,9 @@ def main():
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["mlp", "cnn_small", "cnn", "resnet"],
-                   choices=["mlp", "cnn_small", "cnn", "resnet"], help="separated by spaces")
+    models = ["mlp", "cnn_small", "cnn", "resnet"]  # bench_predict's --model
+    p.add_argument("--models", nargs="+", default=models, choices=models,
+                   help="separated by spaces")
     p.add_argument("--binary", default=os.path.join(root, "build", "bench_predict"))
     p.add_argument("--weights-dir", default=os.path.join(root, "build"),
                    help="where <model>_deploybench.safetensors is kept (trained once if missing)")

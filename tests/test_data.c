@@ -1382,10 +1382,10 @@ static void test_gather_dtypes(void) {
    portable gather's: samples of 37 bytes (two vectors and a tail of 5),
    every byte value, a scale and offset whose products round. */
 static void test_gather_u8_vector(void) {
-    enum { N = 9, PER = 37 };
+    enum { N = 9, PER = 37, TAKE = 10 };
     static uint8_t xu[N * PER];
-    static float vec[N * PER], plain[N * PER];
-    const int64_t order[5] = {8, 0, 4, 4, 2};
+    static float vec[TAKE * PER], plain[TAKE * PER];
+    const int64_t order[TAKE] = {8, 0, 4, 4, 2, 1, 3, 5, 6, 7}; /* every sample, one twice */
     mpt_tensor x = tensor(MPT_UINT8, 2, N, PER, 0, xu);
     mpt_dataset_desc desc;
     mpt_dataset *d = NULL;
@@ -1399,12 +1399,13 @@ static void test_gather_u8_vector(void) {
     memset(vec, 0xff, sizeof vec);
     memset(plain, 0, sizeof plain);
     if (d) {
-        mpt__dataset_gather(ctx, d, order, 5, MPT_FLOAT32, vec, NULL);
-        mpt__dataset_gather(NULL, d, order, 5, MPT_FLOAT32, plain, NULL); /* the table */
+        mpt__dataset_gather(ctx, d, order, TAKE, MPT_FLOAT32, vec, NULL);
+        mpt__dataset_gather(NULL, d, order, TAKE, MPT_FLOAT32, plain, NULL); /* the table */
     }
-    for (i = 0; d && i < 5 * PER; i++)
+    for (i = 0; d && i < TAKE * PER; i++)
         bad += vec[i] != plain[i] || vec[i] != d->u8_f32[xu[order[i / PER] * PER + i % PER]];
-    CHECK(d && bad == 0, "%lld of %d values differ from the table's", (long long)bad, 5 * PER);
+    CHECK(d && bad == 0, "%lld of %d values differ from the table's", (long long)bad,
+          TAKE * PER);
     mpt_dataset_destroy(d);
 }
 

@@ -180,9 +180,9 @@ static void test_max_pool2_inference(void) {
    1 and 2 threads, and of batches of one sample. */
 static void test_float16_conv_pool_chunks(void) {
     enum { N = 23, SIDE = 30, FILTERS = 32 };
-    int threads, channels;
-    for (threads = 1; threads <= 2; threads++)
-    for (channels = 1; channels <= 4; channels += 3) {
+    int run;
+    for (run = 0; run < 4; run++) {
+        const int threads = 1 + run / 2, channels = run % 2 ? 4 : 1;
         mpt_context *c = NULL;
         mpt_model *m = NULL, *q = NULL;
         mpt_conv2d_desc cd;
@@ -236,8 +236,9 @@ static void test_float16_conv_pool_chunks(void) {
             memset(buf[6], 0x7F, sizeof(float) * (size_t)(n * Q->ops[0].out_count));
             CHECK(mpt__q_conv_pool_float16(c, Q, 0, x, (float *)buf[6], (float *)buf[7], n, w,
                                            &ran) == MPT_OK && ran, "the pair did not run");
-            for (i = 0; i < n * Q->ops[0].out_count && ((unsigned char *)buf[6])[i] == 0x7F; i++) {}
-            CHECK((i == n * Q->ops[0].out_count) == (channels == 1),
+            for (i = 0; i < 4 * n * Q->ops[0].out_count && ((unsigned char *)buf[6])[i] == 0x7F;
+                 i++) {}
+            CHECK((i == 4 * n * Q->ops[0].out_count) == (channels == 1),
                   "%d channels: the Conv2D's output %s", channels,
                   channels == 1 ? "written (not pooled in the epilogue)"
                                 : "not written (no chunks)");

@@ -1030,7 +1030,7 @@ MPTDEF mpt_status mpt_model_add_activation(mpt_model *m, const mpt_activation_de
        mpt_node y = mpt_conv2d(m, x, &(mpt_conv2d_desc){ .filters = 16,
                        .kernel_size = {3, 3}, .padding = MPT_PADDING_SAME });
        y = mpt_batch_normalization(m, y, NULL);
-       y = mpt_activation_layer(m, y, &(mpt_activation_desc){ MPT_ACT_RELU });
+       y = mpt_activation_layer(m, y, &(mpt_activation_desc){ .activation = MPT_ACT_RELU });
        mpt_node both[2] = { y, x };
        y = mpt_add(m, 2, both, NULL);            (a residual connection)
 

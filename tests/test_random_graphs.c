@@ -36,7 +36,7 @@
 #include "../mpt.h"
 #include "helpers.h"
 
-/* ---- a graph, as the generator writes it ------------------------------------- */
+/* ---- a graph, as the generator writes it ------------------------------------------------- */
 
 enum {
     G_CONV, G_BN, G_RELU, G_MAX_POOL, G_AVG_POOL, G_ZERO_PAD, G_ADD, G_SUBTRACT, G_MULTIPLY,
@@ -261,7 +261,7 @@ static void print_graph(const g_graph *g, int seed) {
     printf("\n");
 }
 
-/* ---- the model of a graph ---------------------------------------------------- */
+/* ---- the model of a graph ---------------------------------------------------------------- */
 
 /* Layer i of g is named "l<i>", so the reference finds its weights by name. */
 static mpt_node add_layer(mpt_model *m, const g_graph *g, int i, const mpt_node *node) {
@@ -375,7 +375,7 @@ static mpt_model *model_of(mpt_context *c, const g_graph *g, mpt_policy policy,
     return m;
 }
 
-/* ---- the reference, in double -------------------------------------------------- */
+/* ---- the reference, in double ------------------------------------------------------------ */
 
 /* Each node's values for n samples and each value's scale: the sum of the
    magnitudes of the terms that made it, which bounds the rounding of any
@@ -390,12 +390,15 @@ static void reference_free(reference *r) {
     memset(r, 0, sizeof *r);
 }
 
-/* Layer i's weight "l<i>/<what>" (as float16 would hold it when half);
-   NULL if it has none (no bias). */
+/* The model the reference reads its weights from: as they are, or as
+   float16 holds them (half); BatchNormalization on the moving statistics,
+   or on the batch's (training). */
 typedef struct {
     mpt_model *m;
-    int half;
+    int half, training;
 } weights;
+
+/* Layer i's weight "l<i>/<what>", NULL if it has none (no bias). */
 
 static const float *weight(const weights *w, int i, const char *what) {
     char name[64];
@@ -482,6 +485,33 @@ static void ref_pool(const g_layer *x, const g_graph *g, int n, reference *r, in
                 }
 }
 
+/* BatchNormalization, epsilon 1e-3: on the moving statistics, or in
+   training on the batch's (each channel's mean and biased variance over
+   the samples and positions). */
+static void ref_batch_norm(const weights *w, int i, const g_graph *g, int n, reference *r) {
+    const int64_t C = g->L[i].c, count = (int64_t)n * NODE_SIZE(g, i + 1);
+    const float *gamma = weight(w, i, "gamma"), *beta = weight(w, i, "beta");
+    const float *moving_mean = weight(w, i, "moving_mean");
+    const float *moving_var = weight(w, i, "moving_variance");
+    const double *a = r->value[g->L[i].in[0]], *am = r->scale[g->L[i].in[0]];
+    double *mean = (double *)calloc((size_t)C, sizeof(double));
+    double *var = (double *)calloc((size_t)C, sizeof(double));
+    int64_t k, c;
+    for (c = 0; c < C; c++) mean[c] = moving_mean[c], var[c] = moving_var[c];
+    if (w->training) {
+        memset(mean, 0, sizeof(double) * (size_t)C), memset(var, 0, sizeof(double) * (size_t)C);
+        for (k = 0; k < count; k++) mean[k % C] += a[k] / (double)(count / C);
+        for (k = 0; k < count; k++)
+            var[k % C] += (a[k] - mean[k % C]) * (a[k] - mean[k % C]) / (double)(count / C);
+    }
+    for (k = 0; k < count; k++) {
+        const double s = gamma[k % C] / sqrt(var[k % C] + 1e-3);
+        r->value[i + 1][k] = (a[k] - mean[k % C]) * s + beta[k % C];
+        r->scale[i + 1][k] = (am[k] + fabs(mean[k % C])) * fabs(s) + fabs(beta[k % C]);
+    }
+    free(mean), free(var);
+}
+
 /* softmax(Q_h K_hᵀ / √key_dim) V_h per head, then the output projection. */
 static void ref_attention(const weights *w, int i, const g_graph *g, int n, reference *r) {
     const g_layer *x = &g->L[i];
@@ -494,23 +524,24 @@ static void ref_attention(const weights *w, int i, const g_graph *g, int n, refe
     double *qkv[3], *qkv_scale[3], *o = (double *)malloc(sizeof(double) * (size_t)T * H * vd);
     double *o_scale = (double *)malloc(sizeof(double) * (size_t)T * H * vd);
     double *p = (double *)malloc(sizeof(double) * (size_t)T);
+    const float *kernels[3], *biases[3];
     int b, h, t, e, j, k, c;
     for (k = 0; k < 3; k++) {
+        char what[32];
         qkv[k] = (double *)malloc(sizeof(double) * (size_t)T * dims[k]);
         qkv_scale[k] = (double *)malloc(sizeof(double) * (size_t)T * dims[k]);
+        snprintf(what, sizeof what, "%s/kernel", proj[k]);
+        kernels[k] = weight(w, i, what);
+        snprintf(what, sizeof what, "%s/bias", proj[k]);
+        biases[k] = weight(w, i, what);
     }
     for (b = 0; b < n; b++) {
         for (h = 0; h < H; h++) {
             for (k = 0; k < 3; k++) { /* the projections, (Din, H, dim) kernels */
-                char what[32];
                 const int Din = NODE_C(g, in_node[k]);
                 const double *in = r->value[in_node[k]] + (int64_t)b * T * Din;
                 const double *in_scale = r->scale[in_node[k]] + (int64_t)b * T * Din;
-                const float *kernel, *bias;
-                snprintf(what, sizeof what, "%s/kernel", proj[k]);
-                kernel = weight(w, i, what);
-                snprintf(what, sizeof what, "%s/bias", proj[k]);
-                bias = weight(w, i, what);
+                const float *kernel = kernels[k], *bias = biases[k];
                 for (t = 0; t < T; t++)
                     for (e = 0; e < dims[k]; e++) {
                         double s = bias ? wv(w, bias, h * dims[k] + e) : 0, sm = fabs(s);
@@ -558,19 +589,12 @@ static void ref_attention(const weights *w, int i, const g_graph *g, int n, refe
     free(o), free(o_scale), free(p);
 }
 
-/* Every node of g for the n samples x (float32 images, or int32 ids). */
-static void reference_run(const weights *w, const g_graph *g, const void *x, int n,
-                          reference *r) {
-    const int64_t in_count = (int64_t)n * NODE_SIZE(g, 0);
+/* Layers first .. g->n − 1 of g, their inputs in r. */
+static void reference_layers(const weights *w, const g_graph *g, int n, reference *r,
+                             int first) {
     int64_t k;
     int i;
-    memset(r, 0, sizeof *r);
-    r->value[0] = (double *)calloc((size_t)in_count, sizeof(double));
-    r->scale[0] = (double *)calloc((size_t)in_count, sizeof(double));
-    for (k = 0; k < in_count; k++)
-        r->value[0][k] = g->tokens ? ((const int32_t *)x)[k] : ((const float *)x)[k],
-        r->scale[0][k] = fabs(r->value[0][k]);
-    for (i = 0; i < g->n; i++) {
+    for (i = first; i < g->n; i++) {
         const g_layer *L = &g->L[i];
         const int64_t count = (int64_t)n * NODE_SIZE(g, i + 1), C = L->c;
         const double *a = r->value[L->in[0]], *am = r->scale[L->in[0]];
@@ -585,17 +609,7 @@ static void reference_run(const weights *w, const g_graph *g, const void *x, int
         case G_MAX_POOL:
         case G_AVG_POOL: ref_pool(L, g, n, r, i); break;
         case G_ATTENTION: ref_attention(w, i, g, n, r); break;
-        case G_BN: { /* inference: the moving statistics, epsilon 1e-3 */
-            const float *gamma = weight(w, i, "gamma"), *beta = weight(w, i, "beta");
-            const float *mean = weight(w, i, "moving_mean"), *var = weight(w, i, "moving_variance");
-            for (k = 0; k < count; k++) {
-                const int64_t c = k % C;
-                const double s = gamma[c] / sqrt((double)var[c] + 1e-3);
-                y[k] = (a[k] - mean[c]) * s + beta[c];
-                ym[k] = (am[k] + fabs(mean[c])) * fabs(s) + fabs(beta[c]);
-            }
-            break;
-        }
+        case G_BN: ref_batch_norm(w, i, g, n, r); break;
         case G_LAYER_NORM: { /* each row of C over its own mean and variance */
             const float *gamma = weight(w, i, "gamma"), *beta = weight(w, i, "beta");
             const double eps = L->eps_small ? 1e-5 : 1e-3;
@@ -686,6 +700,20 @@ static void reference_run(const weights *w, const g_graph *g, const void *x, int
     }
 }
 
+/* Every node of g for the n samples x (float32 images, or int32 ids). */
+static void reference_run(const weights *w, const g_graph *g, const void *x, int n,
+                          reference *r) {
+    const int64_t in_count = (int64_t)n * NODE_SIZE(g, 0);
+    int64_t k;
+    memset(r, 0, sizeof *r);
+    r->value[0] = (double *)calloc((size_t)in_count, sizeof(double));
+    r->scale[0] = (double *)calloc((size_t)in_count, sizeof(double));
+    for (k = 0; k < in_count; k++)
+        r->value[0][k] = g->tokens ? ((const int32_t *)x)[k] : ((const float *)x)[k],
+        r->scale[0][k] = fabs(r->value[0][k]);
+    reference_layers(w, g, n, r, 0);
+}
+
 /* got (n samples of g's output) within tol of each output's scale (and
    1e-6 absolute); what names the run. */
 static void expect_near(const g_graph *g, const reference *r, const float *got, int n,
@@ -705,7 +733,7 @@ static void expect_near(const g_graph *g, const reference *r, const float *got, 
     if (bad) print_graph(g, seed);
 }
 
-/* ---- the checks ------------------------------------------------------------------ */
+/* ---- the checks -------------------------------------------------------------------------- */
 
 #define IMAGE_GRAPHS 120
 #define TOKEN_GRAPHS 120
@@ -802,7 +830,7 @@ static void check_graph(int tokens, int seed) {
         }
         mpt_dataset_create(c, &(mpt_dataset_desc){.x = &x}, &d);
         if (r == 0) {
-            const weights w = {m, 0}, w_half = {m, 1};
+            const weights w = {m, 0, 0}, w_half = {m, 1, 0};
             float *f16 = quantized_outputs(c, m, MPT_QUANTIZE_FLOAT16, NULL, &x, count);
             float *dyn = quantized_outputs(c, m, MPT_QUANTIZE_DYNAMIC_RANGE, NULL, &x, count);
             reference_run(&w, &g, xs, n, &ref);
@@ -847,6 +875,119 @@ static void test_token_graphs(void) {
     int seed;
     for (seed = 0; seed < TOKEN_GRAPHS; seed++) check_graph(1, seed);
 }
+
+/* ---- gradients --------------------------------------------------------------------------- */
+
+#define GRADIENT_GRAPHS 20 /* of each kind */
+#define GRADIENT_PLACES 1  /* in each parameter */
+
+/* L = Σ R·y over the output y of the reference in training, as the loss
+   whose output gradient is R, with layer `changed`'s weights moved: the
+   nodes before its output are base's (the layers are in graph order, so
+   none of them reads it), the rest run again. */
+static double reference_loss(const weights *w, const g_graph *g, int n, const reference *base,
+                             int changed, const float *R) {
+    const int64_t count = (int64_t)n * NODE_SIZE(g, g->n);
+    reference r;
+    int64_t k;
+    int i;
+    double loss = 0;
+    memset(&r, 0, sizeof r);
+    for (i = 0; i <= changed; i++) r.value[i] = base->value[i], r.scale[i] = base->scale[i];
+    reference_layers(w, g, n, &r, changed);
+    for (k = 0; k < count; k++) loss += R[k] * r.value[g->n][k];
+    for (i = 0; i <= changed; i++) r.value[i] = r.scale[i] = NULL; /* base's */
+    reference_free(&r);
+    return loss;
+}
+
+/* Graph `seed`'s float32 training forward and backward from a random
+   output gradient R: each trainable parameter's gradient at a random
+   place against central differences of reference_loss, in steps of 1e-6
+   of the weight (at least 1e-7; a step across a ReLU's or a max's kink is
+   wrong by design, and steps this small rarely cross one). Within 1 %, or
+   1e-4 of the parameter's largest gradient, or 1e-5 where the gradient is
+   0 and both sides only round: a bias before a BatchNormalization in
+   training (the batch's mean takes it away). A key projection's bias is
+   left out for the same reason: it moves every score of a query's row
+   alike, which the softmax undoes. */
+static void check_gradients(int tokens, int seed) {
+    mpt_context *c = path_ctx(2, 0);
+    g_graph g;
+    mpt_model *m;
+    mpt_tensor x, out, dout;
+    reference base;
+    weights w;
+    float *R;
+    void *xs;
+    int64_t count, k;
+    int n, p, j, ran;
+    memset(&base, 0, sizeof base);
+    graph_of(&g, tokens, seed);
+    n = test_randint(2, 6);
+    xs = inputs_of(&g, n, &x);
+    count = (int64_t)n * NODE_SIZE(&g, g.n);
+    R = (float *)malloc(sizeof(float) * (size_t)count);
+    for (k = 0; k < count; k++) R[k] = (float)test_uniform(-1, 1);
+    test_seed(77 + (unsigned long long)seed);
+    m = c ? model_of(c, &g, MPT_POLICY_FLOAT32, 8) : NULL;
+    w.m = m, w.half = 0, w.training = 1;
+    memset(&dout, 0, sizeof dout);
+    dout.dtype = MPT_FLOAT32, dout.rank = g.tokens ? 3 : 2, dout.data = R;
+    dout.shape[0] = n, dout.shape[1] = g.tokens ? g.h : g.L[g.n - 1].c;
+    dout.shape[2] = g.L[g.n - 1].c;
+    ran = m && mpt_model_forward(m, &x, 1, &out) == MPT_OK &&
+          mpt_model_backward(m, &dout, NULL) == MPT_OK;
+    CHECK(ran, "seed %d: forward and backward: %s", seed, c ? mpt_context_error(c) : "no context");
+    if (ran) reference_run(&w, &g, xs, n, &base);
+    for (p = 0; ran && p < mpt_model_param_count(m); p++) {
+        mpt_param_info info;
+        const float *grad;
+        float *value;
+        double largest = 0;
+        int layer = 0;
+        mpt_model_param(m, p, &info);
+        if (!info.trainable || strstr(info.name, "key/bias") ||
+            sscanf(info.name, "l%d/", &layer) != 1)
+            continue;
+        value = (float *)info.value.data, grad = (const float *)info.grad.data;
+        for (k = 0; k < mpt_tensor_count(&info.value); k++) largest = fmax(largest, fabs(grad[k]));
+        for (j = 0; j < GRADIENT_PLACES; j++) {
+            const int64_t at = test_randint(0, (int)mpt_tensor_count(&info.value) - 1);
+            const float v = value[at];
+            const double step = 1e-6 * fmax(0.1, fabs(v));
+            double up, down, numeric;
+            /* the steps as float32 holds them */
+            value[at] = (float)(v + step), up = reference_loss(&w, &g, n, &base, layer, R);
+            numeric = (double)value[at];
+            value[at] = (float)(v - step), down = reference_loss(&w, &g, n, &base, layer, R);
+            numeric = (up - down) / (numeric - (double)value[at]);
+            value[at] = v;
+            if (!(fabs(grad[at] - numeric) <= 1e-2 * fabs(numeric) + 1e-4 * largest + 1e-5)) {
+                CHECK(0, "seed %d: %s[%lld]: backward %.7g, central differences %.7g", seed,
+                      info.name, (long long)at, (double)grad[at], numeric);
+                print_graph(&g, seed);
+            }
+        }
+    }
+    reference_free(&base);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+    free(R);
+    free(xs);
+}
+
+static void test_image_graph_gradients(void) {
+    int seed;
+    for (seed = 0; seed < GRADIENT_GRAPHS; seed++) check_gradients(0, seed);
+}
+
+static void test_token_graph_gradients(void) {
+    int seed;
+    for (seed = 0; seed < GRADIENT_GRAPHS; seed++) check_gradients(1, seed);
+}
+
+/* ---- fit on 1 and 2 threads -------------------------------------------------------------- */
 
 /* Graph `seed` fit for an epoch of 64 samples (batches of 16: images; of
    8: tokens) in a policy on `threads`; its weights (malloc'd, *size of
@@ -925,6 +1066,8 @@ static void test_token_graphs_fit_alike_on_1_and_2_threads(void) { check_fits(1)
 int main(void) {
     TEST_RUN(test_image_graphs);
     TEST_RUN(test_token_graphs);
+    TEST_RUN(test_image_graph_gradients);
+    TEST_RUN(test_token_graph_gradients);
     TEST_RUN(test_image_graphs_fit_alike_on_1_and_2_threads);
     TEST_RUN(test_token_graphs_fit_alike_on_1_and_2_threads);
     return test_summary("test_random_graphs");

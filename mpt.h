@@ -3062,9 +3062,16 @@ MPTDEF mpt_status mpt_model_qat_range(const mpt_model *m, int layer, float *min,
              as mpt.h does (scale max|x|/127, ties away from zero, from Abs,
              ReduceMax, Div, Where, Cast and Clip nodes), MatMulInteger or
              ConvInteger with the int8 kernel, then Cast, Mul by the
-             kernel's scales and the sample's, Add of the bias: ONNX
-             Runtime's outputs are mpt.h's to within float32 rounding (1e-5).
-             Not ONNX Runtime's quantize_dynamic form: its
+             kernel's scales and the sample's, Add of the bias: each
+             operation's outputs in ONNX Runtime are mpt.h's to within
+             float32 rounding (1e-5; the two Muls round once more than
+             mpt.h's product of the scales). Chained, that rounding can
+             put the next operation's scaled input on the other side of a
+             half (a product without bias gives ratios of integer sums, so
+             exact halves occur) and move one of its codes: on one of 150
+             random image graphs (tests/test_random_graphs.c) an output
+             moved by 1 % of the largest. Not ONNX Runtime's
+             quantize_dynamic form: its
              DynamicQuantizeLinear takes one scale for the whole batch, so a
              sample's result would depend on the samples beside it.
    A layer the export has no counterpart for gives MPT_ERR_UNSUPPORTED,

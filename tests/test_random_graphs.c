@@ -31,7 +31,20 @@
    - fit on 1 and 2 threads gives the same weights, bit for bit, in the
      three policies (the gradient sums of fan-out in a fixed order).
 
+   And in ./build.sh check, with the runtimes installed: 30 graphs of each
+   kind exported to TFLite and ONNX and run in LiteRT and ONNX Runtime on
+   the same inputs: float32 (and an image graph's float16 model) within
+   1e-4 of the largest output (measured up to 1.3e-5 over 300 graphs); an
+   image graph's full-integer file within 16 steps of its output's scale
+   (each operation is within one step, and a step before a narrow output
+   range is many of its steps: measured up to 12 with 16 calibration
+   samples); its dynamic-range file within 2e-2 of the largest output in
+   ONNX Runtime (a code moved at a half, mpt.h's doc of the export;
+   measured up to 1e-2) and 1e-1 in LiteRT (whose hybrid kernels quantize
+   asymmetrically; measured up to 4.6e-2).
+
    A failure names the seed and prints the graph. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, popen */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
@@ -987,6 +1000,187 @@ static void test_token_graph_gradients(void) {
     for (seed = 0; seed < GRADIENT_GRAPHS; seed++) check_gradients(1, seed);
 }
 
+/* ---- the exported files in LiteRT and ONNX Runtime --------------------------------------- */
+
+#define EXPORTED_GRAPHS 30 /* of each kind */
+
+/* Writes `bytes` of p to dir/name; 1 when it could. */
+static int write_file(const char *dir, const char *name, const void *p, size_t bytes) {
+    char path[512];
+    FILE *f;
+    size_t wrote;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    f = fopen(path, "wb");
+    if (!f) return 0;
+    wrote = fwrite(p, 1, bytes, f);
+    return fclose(f) == 0 && wrote == bytes;
+}
+
+/* The variant `name` of a graph for the runtimes: mpt.h's outputs (from
+   predict, or from a quantized model's invoke) in dir/<name>.bin, the
+   model exported beside them, and a line of the manifest with how far
+   LiteRT's and ONNX Runtime's outputs may be from them. */
+static void export_variant(FILE *manifest, const char *dir, const char *name, mpt_model *m,
+                           const float *outputs, int64_t count, double litert_bound,
+                           double onnx_bound) {
+    char file[512];
+    mpt_context *c = m->ctx;
+    snprintf(file, sizeof file, "%s.bin", name);
+    CHECK(write_file(dir, file, outputs, sizeof(float) * (size_t)count), "write %s", file);
+    snprintf(file, sizeof file, "%s/%s.tflite", dir, name);
+    CHECK(mpt_model_export_tflite(m, file, NULL) == MPT_OK, "%s: %s", file, mpt_context_error(c));
+    snprintf(file, sizeof file, "%s/%s.onnx", dir, name);
+    CHECK(mpt_model_export_onnx(m, file, NULL) == MPT_OK, "%s: %s", file, mpt_context_error(c));
+    fprintf(manifest, "%s %s %g %g\n", dir, name, litert_bound, onnx_bound);
+}
+
+/* The largest |y| of count outputs, at least 1e-3. */
+static double largest_output(const float *y, int64_t count) {
+    double most = 1e-3;
+    int64_t k;
+    for (k = 0; k < count; k++) most = fmax(most, fabs(y[k]));
+    return most;
+}
+
+/* Graph `seed` of a kind written for the runtimes under root: its inputs,
+   its float32 model (and an image graph's quantized ones, full integer
+   calibrated on those 16 inputs), mpt.h's outputs of each. */
+static void export_graph(FILE *manifest, const char *root, int tokens, int seed) {
+    mpt_context *c = path_ctx(2, 0);
+    char dir[400];
+    g_graph g;
+    mpt_model *m;
+    mpt_dataset *d = NULL;
+    mpt_tensor x, out;
+    const int n = tokens ? 4 : 16;
+    int64_t count;
+    void *xs;
+    int mode;
+    graph_of(&g, tokens, seed);
+    xs = inputs_of(&g, n, &x);
+    count = (int64_t)n * NODE_SIZE(&g, g.n);
+    snprintf(dir, sizeof dir, "%s/%s%d", root, tokens ? "tokens" : "images", seed);
+    CHECK(mkdir(dir, 0700) == 0, "mkdir %s", dir);
+    test_seed(77 + (unsigned long long)seed);
+    m = c ? model_of(c, &g, MPT_POLICY_FLOAT32, 16) : NULL;
+    memset(&out, 0, sizeof out);
+    if (m && mpt_dataset_create(c, &(mpt_dataset_desc){.x = &x}, &d) == MPT_OK &&
+        mpt_model_predict(m, d, 16, &out) == MPT_OK) {
+        /* the shape line the runtimes read the inputs by */
+        fprintf(manifest, "%s shape %d %s %d %d %d\n", dir, n, tokens ? "int32" : "float32", g.h,
+                g.w, g.c);
+        CHECK(write_file(dir, "x.bin", xs, sizeof(float) * (size_t)(n * NODE_SIZE(&g, 0))),
+              "write %s/x.bin", dir);
+        const double most = largest_output((const float *)out.data, count);
+        export_variant(manifest, dir, "float32", m, (const float *)out.data, count, 1e-4 * most,
+                       1e-4 * most);
+    } else {
+        CHECK(0, "seed %d: %s", seed, c ? mpt_context_error(c) : "no context");
+    }
+    for (mode = 0; !tokens && out.data && mode < MPT_QUANTIZE_MODE_COUNT_; mode++) {
+        static const char *const names[] = {"dynamic_int8", "full_int8", "float16"};
+        mpt_model *q = NULL;
+        mpt_tensor y;
+        mpt_quantized_info info;
+        double most, step;
+        memset(&y, 0, sizeof y);
+        if (mpt_model_quantize(m, &(mpt_quantize_desc){.mode = (mpt_quantize_mode)mode,
+                                                       .representative_data = d}, &q) != MPT_OK ||
+            mpt_model_quantized_invoke(q, &x, &y) != MPT_OK ||
+            mpt_model_quantized_info(q, &info) != MPT_OK) {
+            CHECK(0, "seed %d, %s: %s", seed, names[mode], mpt_context_error(c));
+        } else {
+            most = largest_output((const float *)y.data, count), step = info.output.scale;
+            export_variant(manifest, dir, names[mode], q, (const float *)y.data, count,
+                           mode == MPT_QUANTIZE_FULL_INTEGER ? 16 * step
+                           : mode == MPT_QUANTIZE_FLOAT16    ? 1e-4 * most
+                                                             : 0.1 * most,
+                           mode == MPT_QUANTIZE_FULL_INTEGER ? 16 * step
+                           : mode == MPT_QUANTIZE_FLOAT16    ? 1e-4 * most
+                                                             : 0.02 * most);
+        }
+        mpt_tensor_free(c, &y);
+        mpt_model_destroy(q);
+    }
+    mpt_tensor_free(c, &out);
+    mpt_dataset_destroy(d);
+    mpt_model_destroy(m);
+    mpt_context_destroy(c);
+    free(xs);
+}
+
+/* Runs each file of the manifest (argv[1]) in LiteRT and ONNX Runtime on
+   its inputs and prints a line for each whose outputs are further from
+   mpt.h's than its bound for that runtime. */
+static const char runtimes_script[] =
+    "import sys\n"
+    "import numpy as np\n"
+    "import onnxruntime as ort\n"
+    "from ai_edge_litert.interpreter import Interpreter\n"
+    "def litert(path, x):\n"
+    "    it = Interpreter(model_path=path)\n"
+    "    i, o = it.get_input_details()[0], it.get_output_details()[0]\n"
+    "    it.resize_tensor_input(i['index'], list(x.shape))\n"
+    "    it.allocate_tensors()\n"
+    "    it.set_tensor(i['index'], x)\n"
+    "    it.invoke()\n"
+    "    return it.get_tensor(o['index'])\n"
+    "def onnx(path, x):\n"
+    "    s = ort.InferenceSession(path, providers=['CPUExecutionProvider'])\n"
+    "    return s.run(None, {s.get_inputs()[0].name: x})[0]\n"
+    "inputs, checked = {}, 0\n"
+    "for line in open(sys.argv[1]):\n"
+    "    words = line.split()\n"
+    "    d = words[0]\n"
+    "    if words[1] == 'shape':\n"
+    "        n, dtype = int(words[2]), np.dtype(words[3])\n"
+    "        shape = [n, int(words[4])] if dtype == np.int32 else [n] + [int(v) for v in words[4:7]]\n"
+    "        inputs[d] = np.fromfile(d + '/x.bin', dtype=dtype).reshape(shape)\n"
+    "        continue\n"
+    "    name, bounds, x = words[1], [float(v) for v in words[2:4]], inputs[d]\n"
+    "    want = np.fromfile(d + '/' + name + '.bin', dtype=np.float32).reshape(len(x), -1)\n"
+    "    for runtime, run, ext, bound in (('LiteRT', litert, '.tflite', bounds[0]),\n"
+    "                                     ('ONNX Runtime', onnx, '.onnx', bounds[1])):\n"
+    "        got = run(d + '/' + name + ext, x).reshape(len(x), -1)\n"
+    "        off = float(np.abs(got.astype(np.float64) - want).max())\n"
+    "        if not off <= bound:\n"
+    "            print('OFF', d, name, runtime, 'by', off, 'bound', bound)\n"
+    "        checked += 1\n"
+    "print('CHECKED', checked)\n";
+
+typedef struct {
+    int checked;
+} runtime_lines;
+
+static void runtime_line(void *user, const char *text) {
+    runtime_lines *r = (runtime_lines *)user;
+    if (sscanf(text, "CHECKED %d", &r->checked) == 1) return;
+    CHECK(strncmp(text, "OFF", 3) != 0 && strncmp(text, "Traceback", 9) != 0, "%s", text);
+    if (strncmp(text, "INFO", 4)) printf("  %s\n", text);
+}
+
+static void test_exported_graphs_in_litert_and_onnx_runtime(void) {
+    char root[] = "/tmp/mpt_random_graphs_XXXXXX", manifest_path[512];
+    runtime_lines lines = {0};
+    FILE *manifest;
+    int seed, tokens, files = 0;
+    if (!test_python_imports("numpy, onnxruntime, ai_edge_litert")) return;
+    CHECK(mkdtemp(root) != NULL, "mkdtemp");
+    snprintf(manifest_path, sizeof manifest_path, "%s/manifest", root);
+    manifest = fopen(manifest_path, "w");
+    for (tokens = 0; manifest && tokens <= 1; tokens++)
+        for (seed = 0; seed < EXPORTED_GRAPHS; seed++) {
+            export_graph(manifest, root, tokens, seed);
+            files += tokens ? 2 : 8; /* a model each runtime runs */
+        }
+    CHECK(manifest && fclose(manifest) == 0, "write %s", manifest_path);
+    CHECK(test_python_lines(root, "runtimes.py", runtimes_script, manifest_path, runtime_line,
+                            &lines),
+          "the runtimes' script failed");
+    CHECK(lines.checked == files, "the runtimes ran %d models, want %d", lines.checked, files);
+    test_remove_tree(root);
+}
+
 /* ---- fit on 1 and 2 threads -------------------------------------------------------------- */
 
 /* Graph `seed` fit for an epoch of 64 samples (batches of 16: images; of
@@ -1068,6 +1262,7 @@ int main(void) {
     TEST_RUN(test_token_graphs);
     TEST_RUN(test_image_graph_gradients);
     TEST_RUN(test_token_graph_gradients);
+    TEST_RUN(test_exported_graphs_in_litert_and_onnx_runtime);
     TEST_RUN(test_image_graphs_fit_alike_on_1_and_2_threads);
     TEST_RUN(test_token_graphs_fit_alike_on_1_and_2_threads);
     return test_summary("test_random_graphs");

@@ -169,7 +169,8 @@ static void random_image_graph(g_graph *g) {
             const int kind = merges[test_randint(0, 5)];
             if (!branch) continue;
             if (test_randint(0, 1)) branch = g_push(g, g_on(G_BN, g, branch));
-            node = test_randint(0, 1) ? g_merge(g, kind, branch, cur) : g_merge(g, kind, cur, branch);
+            node = test_randint(0, 1) ? g_merge(g, kind, branch, cur)
+                                      : g_merge(g, kind, cur, branch);
             if (!node) continue;
             cur = node;
             if (test_randint(0, 1)) cur = g_push(g, g_on(G_RELU, g, cur));
@@ -195,8 +196,8 @@ static void random_image_graph(g_graph *g) {
         cur = g_push(g, x);
         if (test_randint(0, 1)) {
             x = g_on(G_DENSE, g, cur);
-            x.units = x.c = test_randint(1, 70), x.act = test_randint(0, 1) ? MPT_ACT_RELU : MPT_ACT_NONE;
-            x.bias = 1;
+            x.units = x.c = test_randint(1, 70), x.bias = 1;
+            x.act = test_randint(0, 1) ? MPT_ACT_RELU : MPT_ACT_NONE;
             cur = g_push(g, x);
         }
         x = g_on(G_DENSE, g, cur);
@@ -268,7 +269,8 @@ static void print_graph(const g_graph *g, int seed) {
         if (x->kind == G_CONV || x->kind == G_MAX_POOL || x->kind == G_AVG_POOL)
             printf(" %dx%d/%dx%d %s", x->kh, x->kw, x->sh, x->sw, x->same ? "same" : "valid");
         if (x->kind == G_ATTENTION)
-            printf(" h%d k%d v%d%s", x->heads, x->key_dim, x->value_dim, x->causal ? " causal" : "");
+            printf(" h%d k%d v%d%s", x->heads, x->key_dim, x->value_dim,
+                   x->causal ? " causal" : "");
         printf(")%dx%dx%d", x->h, x->w, x->c);
     }
     printf("\n");
@@ -297,7 +299,8 @@ static mpt_node add_layer(mpt_model *m, const g_graph *g, int i, const mpt_node 
         const mpt_pool2d_desc d = {.name = name, .pool_size = {x->kh, x->kw},
                                    .strides = {x->sh, x->sw},
                                    .padding = x->same ? MPT_PADDING_SAME : MPT_PADDING_VALID};
-        return x->kind == G_MAX_POOL ? mpt_max_pooling2d(m, a, &d) : mpt_average_pooling2d(m, a, &d);
+        return x->kind == G_MAX_POOL ? mpt_max_pooling2d(m, a, &d)
+                                     : mpt_average_pooling2d(m, a, &d);
     }
     case G_ZERO_PAD:
         return mpt_zero_padding2d(m, a, &(mpt_zero_padding2d_desc){.name = name,
@@ -465,7 +468,8 @@ static void ref_conv(const weights *w, int i, const g_graph *g, int n, reference
             if (x->relu || x->act == MPT_ACT_RELU) s = s > 0 ? s : 0;
             if (x->act == MPT_ACT_GELU) s = 0.5 * s * (1 + erf(s / sqrt(2.0)));
             if (x->act == MPT_ACT_GELU_TANH)
-                s = 0.5 * s * (1 + tanh(sqrt(2 / 3.14159265358979323846) * (s + 0.044715 * s * s * s)));
+                s = 0.5 * s *
+                    (1 + tanh(sqrt(2 / 3.14159265358979323846) * (s + 0.044715 * s * s * s)));
             y[row * F + f] = s, ym[row * F + f] = sm;
         }
     }
@@ -473,7 +477,8 @@ static void ref_conv(const weights *w, int i, const g_graph *g, int n, reference
 
 static void ref_pool(const g_layer *x, const g_graph *g, int n, reference *r, int i) {
     const int H = NODE_H(g, x->in[0]), W = NODE_W(g, x->in[0]), C = x->c;
-    const int top = pad_before(H, x->kh, x->sh, x->same), left = pad_before(W, x->kw, x->sw, x->same);
+    const int top = pad_before(H, x->kh, x->sh, x->same);
+    const int left = pad_before(W, x->kw, x->sw, x->same);
     const double *a = r->value[x->in[0]], *am = r->scale[x->in[0]];
     int b, oy, ox, c, ky, kx;
     for (b = 0; b < n; b++)
@@ -581,9 +586,11 @@ static void ref_attention(const weights *w, int i, const g_graph *g, int n, refe
                 for (e = 0; e < vd; e++) {
                     double s = 0, sm = 0;
                     for (j = 0; j < seen; j++)
-                        s += p[j] / total * qkv[2][j * vd + e], sm += p[j] / total * qkv_scale[2][j * vd + e];
+                        s += p[j] / total * qkv[2][j * vd + e],
+                        sm += p[j] / total * qkv_scale[2][j * vd + e];
                     /* an error ε in the scores moves the weights by about ε, relative */
-                    o[(t * H + h) * vd + e] = s, o_scale[(t * H + h) * vd + e] = sm * (1 + score_scale);
+                    o[(t * H + h) * vd + e] = s;
+                    o_scale[(t * H + h) * vd + e] = sm * (1 + score_scale);
                 }
             }
         }
@@ -879,15 +886,14 @@ static void check_graph(int tokens, int seed) {
     free(xs);
 }
 
-static void test_image_graphs(void) {
+/* check(tokens, seed) on graphs 0 .. count − 1 of a kind. */
+static void each_graph(void (*check)(int tokens, int seed), int tokens, int count) {
     int seed;
-    for (seed = 0; seed < IMAGE_GRAPHS; seed++) check_graph(0, seed);
+    for (seed = 0; seed < count; seed++) check(tokens, seed);
 }
 
-static void test_token_graphs(void) {
-    int seed;
-    for (seed = 0; seed < TOKEN_GRAPHS; seed++) check_graph(1, seed);
-}
+static void test_image_graphs(void) { each_graph(check_graph, 0, IMAGE_GRAPHS); }
+static void test_token_graphs(void) { each_graph(check_graph, 1, TOKEN_GRAPHS); }
 
 /* ---- gradients --------------------------------------------------------------------------- */
 
@@ -990,15 +996,8 @@ static void check_gradients(int tokens, int seed) {
     free(xs);
 }
 
-static void test_image_graph_gradients(void) {
-    int seed;
-    for (seed = 0; seed < GRADIENT_GRAPHS; seed++) check_gradients(0, seed);
-}
-
-static void test_token_graph_gradients(void) {
-    int seed;
-    for (seed = 0; seed < GRADIENT_GRAPHS; seed++) check_gradients(1, seed);
-}
+static void test_image_graph_gradients(void) { each_graph(check_gradients, 0, GRADIENT_GRAPHS); }
+static void test_token_graph_gradients(void) { each_graph(check_gradients, 1, GRADIENT_GRAPHS); }
 
 /* ---- the exported files in LiteRT and ONNX Runtime --------------------------------------- */
 
@@ -1082,22 +1081,19 @@ static void export_graph(FILE *manifest, const char *root, int tokens, int seed)
         mpt_model *q = NULL;
         mpt_tensor y;
         mpt_quantized_info info;
-        double most, step;
         memset(&y, 0, sizeof y);
         if (mpt_model_quantize(m, &(mpt_quantize_desc){.mode = (mpt_quantize_mode)mode,
                                                        .representative_data = d}, &q) != MPT_OK ||
             mpt_model_quantized_invoke(q, &x, &y) != MPT_OK ||
             mpt_model_quantized_info(q, &info) != MPT_OK) {
             CHECK(0, "seed %d, %s: %s", seed, names[mode], mpt_context_error(c));
-        } else {
-            most = largest_output((const float *)y.data, count), step = info.output.scale;
-            export_variant(manifest, dir, names[mode], q, (const float *)y.data, count,
-                           mode == MPT_QUANTIZE_FULL_INTEGER ? 16 * step
-                           : mode == MPT_QUANTIZE_FLOAT16    ? 1e-4 * most
-                                                             : 0.1 * most,
-                           mode == MPT_QUANTIZE_FULL_INTEGER ? 16 * step
-                           : mode == MPT_QUANTIZE_FLOAT16    ? 1e-4 * most
-                                                             : 0.02 * most);
+        } else { /* the bounds: see the top of this file */
+            const double most = largest_output((const float *)y.data, count);
+            double litert = 0.1 * most, onnx = 0.02 * most; /* dynamic range */
+            if (mode == MPT_QUANTIZE_FULL_INTEGER) litert = onnx = 16 * info.output.scale;
+            if (mode == MPT_QUANTIZE_FLOAT16) litert = onnx = 1e-4 * most;
+            export_variant(manifest, dir, names[mode], q, (const float *)y.data, count, litert,
+                           onnx);
         }
         mpt_tensor_free(c, &y);
         mpt_model_destroy(q);
@@ -1134,7 +1130,8 @@ static const char runtimes_script[] =
     "    d = words[0]\n"
     "    if words[1] == 'shape':\n"
     "        n, dtype = int(words[2]), np.dtype(words[3])\n"
-    "        shape = [n, int(words[4])] if dtype == np.int32 else [n] + [int(v) for v in words[4:7]]\n"
+    "        shape = [n, int(words[4])] if dtype == np.int32 else \\\n"
+    "            [n] + [int(v) for v in words[4:7]]\n"
     "        inputs[d] = np.fromfile(d + '/x.bin', dtype=dtype).reshape(shape)\n"
     "        continue\n"
     "    name, bounds, x = words[1], [float(v) for v in words[2:4]], inputs[d]\n"
@@ -1234,28 +1231,32 @@ static float *fit_weights(int tokens, int seed, mpt_policy policy, int threads, 
     return w;
 }
 
-/* fit on 1 and 2 threads: the same weights, bit for bit, in every policy. */
-static void check_fits(int tokens) {
-    int seed, k;
-    for (seed = 0; seed < TRAINED_GRAPHS; seed++)
-        for (k = 0; k < 3; k++) {
-            int64_t size[2] = {0, 0};
-            float *one = fit_weights(tokens, seed, test_policies[k], 1, &size[0]);
-            float *two = fit_weights(tokens, seed, test_policies[k], 2, &size[1]);
-            if (one && two &&
-                (size[0] != size[1] || memcmp(one, two, sizeof(float) * (size_t)size[0]))) {
-                g_graph g;
-                graph_of(&g, tokens, seed);
-                CHECK(0, "seed %d, %s: fit's weights differ between 1 and 2 threads", seed,
-                      mpt_policy_name(test_policies[k]));
-                print_graph(&g, seed);
-            }
-            free(one), free(two);
+/* Graph `seed` fit on 1 and 2 threads: the same weights, bit for bit, in
+   every policy. */
+static void check_fit(int tokens, int seed) {
+    int k;
+    for (k = 0; k < 3; k++) {
+        int64_t size[2] = {0, 0};
+        float *one = fit_weights(tokens, seed, test_policies[k], 1, &size[0]);
+        float *two = fit_weights(tokens, seed, test_policies[k], 2, &size[1]);
+        if (one && two &&
+            (size[0] != size[1] || memcmp(one, two, sizeof(float) * (size_t)size[0]))) {
+            g_graph g;
+            graph_of(&g, tokens, seed);
+            CHECK(0, "seed %d, %s: fit's weights differ between 1 and 2 threads", seed,
+                  mpt_policy_name(test_policies[k]));
+            print_graph(&g, seed);
         }
+        free(one), free(two);
+    }
 }
 
-static void test_image_graphs_fit_alike_on_1_and_2_threads(void) { check_fits(0); }
-static void test_token_graphs_fit_alike_on_1_and_2_threads(void) { check_fits(1); }
+static void test_image_graphs_fit_alike_on_1_and_2_threads(void) {
+    each_graph(check_fit, 0, TRAINED_GRAPHS);
+}
+static void test_token_graphs_fit_alike_on_1_and_2_threads(void) {
+    each_graph(check_fit, 1, TRAINED_GRAPHS);
+}
 
 int main(void) {
     TEST_RUN(test_image_graphs);

@@ -68,8 +68,8 @@ static const char *const g_kind_names[] = {
 typedef struct {
     int kind, in[3], n_in;
     int kh, kw, sh, sw, same;         /* Conv2D, the poolings             */
-    int relu, bias, units;            /* Conv2D's and Dense's             */
-    mpt_activation act;               /* Dense's                          */
+    int bias, units;                  /* Conv2D's and Dense's             */
+    mpt_activation act;               /* Conv2D's and Dense's             */
     int pad[4];                       /* ZeroPadding2D's top bottom left right */
     int heads, key_dim, value_dim;    /* attention's                      */
     int causal, no_flash, eps_small;  /* attention's, LayerNormalization's */
@@ -120,7 +120,8 @@ static g_layer g_on(int kind, const g_graph *g, int in) {
 static int g_conv(g_graph *g, int in, int filters, int kh, int kw, int sh, int sw, int same) {
     g_layer x = g_on(G_CONV, g, in);
     x.kh = kh, x.kw = kw, x.sh = sh, x.sw = sw, x.same = same;
-    x.relu = test_randint(0, 2) == 0, x.bias = test_randint(0, 3) != 0, x.units = filters;
+    x.act = test_randint(0, 2) == 0 ? MPT_ACT_RELU : MPT_ACT_NONE;
+    x.bias = test_randint(0, 3) != 0, x.units = filters;
     x.h = out_size(x.h, kh, sh, same), x.w = out_size(x.w, kw, sw, same), x.c = filters;
     return g_push(g, x);
 }
@@ -289,7 +290,7 @@ static mpt_node add_layer(mpt_model *m, const g_graph *g, int i, const mpt_node 
         return mpt_conv2d(m, a, &(mpt_conv2d_desc){.name = name, .filters = x->units,
             .kernel_size = {x->kh, x->kw}, .strides = {x->sh, x->sw},
             .padding = x->same ? MPT_PADDING_SAME : MPT_PADDING_VALID,
-            .activation = x->relu ? MPT_ACT_RELU : MPT_ACT_NONE, .no_bias = !x->bias});
+            .activation = x->act, .no_bias = !x->bias});
     case G_BN: return mpt_batch_normalization(m, a, &(mpt_batchnorm_desc){.name = name});
     case G_RELU:
         return mpt_activation_layer(m, a, &(mpt_activation_desc){.name = name,
@@ -429,7 +430,7 @@ static const float *weight(const weights *w, int i, const char *what) {
 }
 
 static double wv(const weights *w, const float *t, int64_t k) {
-    return w->half ? (double)mpt_half_to_float(mpt_float_to_half(t[k])) : (double)t[k];
+    return round_to(w->half ? MPT_FLOAT16 : MPT_FLOAT32, t[k]);
 }
 
 /* y = x · kernel (+ bias), (act), over rows of `in` values, for Conv2D's
@@ -465,12 +466,7 @@ static void ref_conv(const weights *w, int i, const g_graph *g, int n, reference
                         s += k * a[at], sm += fabs(k) * am[at];
                     }
                 }
-            if (x->relu || x->act == MPT_ACT_RELU) s = s > 0 ? s : 0;
-            if (x->act == MPT_ACT_GELU) s = 0.5 * s * (1 + erf(s / sqrt(2.0)));
-            if (x->act == MPT_ACT_GELU_TANH)
-                s = 0.5 * s *
-                    (1 + tanh(sqrt(2 / 3.14159265358979323846) * (s + 0.044715 * s * s * s)));
-            y[row * F + f] = s, ym[row * F + f] = sm;
+            y[row * F + f] = ref_act(x->act, s), ym[row * F + f] = sm;
         }
     }
 }
@@ -1019,11 +1015,10 @@ static int write_file(const char *dir, const char *name, const void *p, size_t b
    predict, or from a quantized model's invoke) in dir/<name>.bin, the
    model exported beside them, and a line of the manifest with how far
    LiteRT's and ONNX Runtime's outputs may be from them. */
-static void export_variant(FILE *manifest, const char *dir, const char *name, mpt_model *m,
-                           const float *outputs, int64_t count, double litert_bound,
-                           double onnx_bound) {
+static void export_variant(FILE *manifest, const char *dir, const char *name, mpt_context *c,
+                           mpt_model *m, const float *outputs, int64_t count,
+                           double litert_bound, double onnx_bound) {
     char file[512];
-    mpt_context *c = m->ctx;
     snprintf(file, sizeof file, "%s.bin", name);
     CHECK(write_file(dir, file, outputs, sizeof(float) * (size_t)count), "write %s", file);
     snprintf(file, sizeof file, "%s/%s.tflite", dir, name);
@@ -1065,13 +1060,13 @@ static void export_graph(FILE *manifest, const char *root, int tokens, int seed)
     memset(&out, 0, sizeof out);
     if (m && mpt_dataset_create(c, &(mpt_dataset_desc){.x = &x}, &d) == MPT_OK &&
         mpt_model_predict(m, d, 16, &out) == MPT_OK) {
+        const double most = largest_output((const float *)out.data, count);
         /* the shape line the runtimes read the inputs by */
         fprintf(manifest, "%s shape %d %s %d %d %d\n", dir, n, tokens ? "int32" : "float32", g.h,
                 g.w, g.c);
         CHECK(write_file(dir, "x.bin", xs, sizeof(float) * (size_t)(n * NODE_SIZE(&g, 0))),
               "write %s/x.bin", dir);
-        const double most = largest_output((const float *)out.data, count);
-        export_variant(manifest, dir, "float32", m, (const float *)out.data, count, 1e-4 * most,
+        export_variant(manifest, dir, "float32", c, m, (const float *)out.data, count, 1e-4 * most,
                        1e-4 * most);
     } else {
         CHECK(0, "seed %d: %s", seed, c ? mpt_context_error(c) : "no context");
@@ -1092,7 +1087,7 @@ static void export_graph(FILE *manifest, const char *root, int tokens, int seed)
             double litert = 0.1 * most, onnx = 0.02 * most; /* dynamic range */
             if (mode == MPT_QUANTIZE_FULL_INTEGER) litert = onnx = 16 * info.output.scale;
             if (mode == MPT_QUANTIZE_FLOAT16) litert = onnx = 1e-4 * most;
-            export_variant(manifest, dir, names[mode], q, (const float *)y.data, count, litert,
+            export_variant(manifest, dir, names[mode], c, q, (const float *)y.data, count, litert,
                            onnx);
         }
         mpt_tensor_free(c, &y);

@@ -5,6 +5,7 @@
            x = x + MultiHeadAttention(4 heads of 64, causal)(LN(x))
            x = x + Dense(256)(Dense(1024, gelu)(LN(x)))
        -> LayerNormalization -> Dense(256, softmax)
+   The residual stream (x) is float32 under every policy (residual()).
    GPT-2's initialisation (weights N(0, 0.02²), biases 0, gamma 1, beta
    0), AdamW (learning rate 1e-3, weight decay 0.1, none on biases and
    normalization parameters), batches of 32 windows of 128 bytes drawn at
@@ -250,9 +251,16 @@ static mpt_node layer_norm(mpt_model *m, mpt_node x) {
     return mpt_layer_normalization(m, x, &(mpt_layer_normalization_desc){ .epsilon = 1e-5f });
 }
 
+/* The residual stream stays float32 under the mixed policies: each Add
+   computes in float32 (a layer's dtype, as Keras' Add(dtype="float32")),
+   so x keeps every branch's small update, as under PyTorch's autocast,
+   whose adds promote a bfloat16 branch to the float32 stream. Added in
+   bfloat16, as the policy alone would, the stream lost them: 1,000 steps
+   ended at 2.55 nats a byte against 1.91 (bench/RESULTS.md). The
+   branches still compute in the policy's dtype. */
 static mpt_node residual(mpt_model *m, mpt_node x, mpt_node branch) {
     mpt_node both[2] = { x, branch };
-    return mpt_add(m, 2, both, NULL);
+    return mpt_add(m, 2, both, &(mpt_merge_desc){ .dtype = MPT_FLOAT32 });
 }
 
 /* stored: the attention's weights kept for backward (--attention). */

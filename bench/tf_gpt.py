@@ -23,7 +23,9 @@ decay 0.1, none on biases and LayerNormalization's parameters
 
 mixed_bfloat16: Keras' policy of that name (float32 variables, bfloat16
 compute); the logits are cast to float32 for the loss, as the final layer's
-float32 output is in mpt.h; no loss scaling (bfloat16 needs none).
+float32 output is in mpt.h; no loss scaling (bfloat16 needs none). The
+residual stream is float32 (the position embedding's add and each residual
+Add with dtype="float32"), as gpt.c keeps it.
 
 Data: gpt.c's. The text is every file of /usr/share/games/fortunes but the .dat
 indexes and the .u8 links, in name order (or --data FILE); the first
@@ -89,15 +91,18 @@ def build_model(keras):
 
     ids = keras.Input((CONTEXT,), dtype="int32")
     x = keras.layers.Embedding(VOCAB, WIDTH, embeddings_initializer=normal)(ids)
-    x = PositionEmbedding()(x)
+    # the residual stream in float32, as examples/gpt.c keeps it (and PyTorch's
+    # autocast): the position embedding's add and every residual Add compute in
+    # float32; the branches in the policy's dtype
+    x = PositionEmbedding(dtype="float32")(x)
     for _ in range(LAYERS):
         h = norm()(x)
         h = keras.layers.MultiHeadAttention(HEADS, WIDTH // HEADS,
                                             kernel_initializer=normal)(h, h,
                                                                       use_causal_mask=True)
-        x = x + h
+        x = keras.layers.Add(dtype="float32")([x, h])
         h = dense(4 * WIDTH, activation="gelu")(norm()(x))
-        x = x + dense(WIDTH)(h)
+        x = keras.layers.Add(dtype="float32")([x, dense(WIDTH)(h)])
     logits = dense(VOCAB, dtype="float32")(norm()(x))   # float32 out, as mpt.h's last layer
     return keras.Model(ids, logits)
 

@@ -4,8 +4,9 @@
 #                       zlib, Fashion-MNIST) and train examples/mlp.c with the
 #                       progress bar
 #   ./build.sh test     the quick check (about 10 minutes on 2 cores): every
-#                       test program's cases that need no Python, MPI, nvcc
-#                       or fuzzing, under UBSan (and AddressSanitizer where
+#                       test program's cases that need no PyPI package, MPI,
+#                       nvcc or fuzzing (Debian's python3 reads the SVG
+#                       plots back), under UBSan (and AddressSanitizer where
 #                       the program uses only the public API), plus the
 #                       hand-written training loops; ends with
 #                       "N passed, N failed, N skipped" and the time taken
@@ -60,8 +61,11 @@ mkdir -p "$B"
 # compiler, zlib and the data; the full check also MPI, python3-venv (the
 # interop tests' virtual environment) and clang with its runtime libraries
 # (libFuzzer: the fuzz harnesses).
+# The quick test also needs Debian's python3 (no PyPI package): tests/test_plot.c
+# reads the SVG plots back with Python's own XML parser.
 DEB_TRAIN="zlib1g-dev dataset-fashion-mnist"
-DEB_CHECK="$DEB_TRAIN openmpi-bin libopenmpi-dev python3-venv clang libclang-rt-14-dev"
+DEB_TEST="$DEB_TRAIN python3"
+DEB_CHECK="$DEB_TEST openmpi-bin libopenmpi-dev python3-venv clang libclang-rt-14-dev"
 
 # Python packages (PyPI names) the interoperability tests import; pip installs
 # them into PY_VENV when one is missing (python_env). onnxruntime, onnx (its
@@ -1468,13 +1472,13 @@ finish() {
     [ $failed -eq 0 ]
 }
 
-# ./build.sh test: what needs no Python, MPI, nvcc or fuzzing. The test
+# ./build.sh test: what needs no PyPI package, MPI, nvcc or fuzzing. The test
 # programs that use only the public API link one implementation object
 # built with AddressSanitizer + UBSan; the others compile it themselves,
 # with UBSan (./build.sh check runs them all under both). The interop
 # cases report OMIT (MPT_TEST_INTEROP=0).
 run_quick() {
-    install_packages $DEB_TRAIN
+    install_packages $DEB_TEST
     export MPT_TEST_INTEROP=0
     TESTS_LEFT_OUT=tests/test_cuda.c
     unset MPT_TEST_PYTHON MPT_TEST_PYTHON_REQUIRED

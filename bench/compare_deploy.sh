@@ -10,8 +10,13 @@
 #
 # The first run trains each model one epoch (a few seconds to a few
 # minutes) and keeps the weights in build/<model>_deploybench.safetensors.
+# As root it first installs the Debian packages it needs (a compiler, zlib,
+# the data, python3 and python3-venv), as bench/compare.sh does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PEERS_NAME=compare_deploy.sh PEERS_DIR=build/deploy
+. bench/peers.sh
+peers_install zlib1g-dev dataset-fashion-mnist python3 python3-venv
 mkdir -p build
 cc -std=c99 -O2 -I. bench/bench_predict.c -o build/bench_predict -lpthread -lm -lz
 if ! build/venv/bin/python -c 'import onnxruntime, ai_edge_litert, numpy' 2>/dev/null; then

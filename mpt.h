@@ -33407,13 +33407,17 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
    TILES. Per group the micro-kernel broadcasts one row's 32-bit group and
    multiplies it into NR/16 (or NR/8) vectors of B: VNNI and AVX-512 tiles
    are 12×32 (24 zmm accumulators, as the float kernel), AVX2 6×16, the
-   portable C 4×8. The VNNI kernel reads A's rows in place (K ≥ 4), as
-   fast as a packed panel once the flip is a vector xor, so that A is
-   never packed: packing cost as much as a tile's products per panel, and
-   more than the whole product of a 3×3 conv's 9-byte im2col rows or a
-   classifier's 10-column Dense; except in the panel of A's last row (a
-   group's bytes past K would lie past A). The raw sums go to an MR×NR
-   int32 tile on the stack and the epilogue (zero points, bias,
+   portable C 4×8. The VNNI kernel reads A's rows as rows (K ≥ 4), never
+   as an interleaved panel: packing cost as much as a tile's products per
+   panel, and more than the whole product of a 3×3 conv's 9-byte im2col
+   rows or a classifier's 10-column Dense. An unsigned A's rows are read
+   in place (except in the panel of A's last row, where a group's bytes
+   past K would lie past A); an int8 A's are first copied flipped to u, a
+   straight pass over the panel's bytes, so that the kernel's only vector
+   arithmetic is vpdpbusd (flipping each broadcast group with an xor took
+   an op per vpdpbusd pair, which on Intel's two VNNI ports made the
+   mlp's int8 predicts of 128 images 1.4x slower). The raw sums go to an
+   MR×NR int32 tile on the stack and the epilogue (zero points, bias,
    requantization) stores them, 16 columns at a time with AVX-512 or 8
    with AVX2 (in 32-bit lanes), else one by one; with AVX-512, a product
    whose shifts are all ≤ 0 and whose sums cannot saturate (every layer's)
@@ -33994,19 +33998,17 @@ MPT__QGEMM_KERNEL512(mpt__qgemm_kernel_avx512, MPT__TARGET_AVX512, MPT__MAC_MADD
 MPT__QGEMM_KERNEL512(mpt__qgemm_kernel_vnni, MPT__TARGET_AVX512_VNNI, MPT__MAC_VNNI)
 #undef MPT__QGEMM_KERNEL512
 
-/* AVX-512 VNNI reading A's rows where they lie (K ≥ 4). Row i's group g
-   is the 4 bytes at rows[i] + 4g flipped to u as packing flips them, by
-   a vector xor with the broadcast folded in (a scalar xor and a
-   broadcast from a general register took a fifth longer); the bytes past
-   K (at most 3, the next row's) meet B's zero padding and add nothing.
-   rows[] holds 12 pointers (a short panel repeats its last row). */
+/* AVX-512 VNNI reading A's rows as rows (K ≥ 4), not as a packed panel:
+   row i's group g is the 4 bytes of u at rows[i] + 4g (an unsigned A's
+   row where it lies, an int8 A's flipped copy: mpt__qgemm_flip_rows); the
+   bytes past K (at most 3) meet B's zero padding and add nothing. rows[]
+   holds 12 pointers (a short panel repeats its last row). */
 MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
                                                                 const uint8_t *const *rows,
-                                                                int flip, const uint8_t *b,
-                                                                int bw, int32_t *tile) {
-    const __m512i flip64 = _mm512_set1_epi8((char)flip);
+                                                                const uint8_t *b, int bw,
+                                                                int32_t *tile) {
     int64_t g;
-#define MPT__A(i) _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g)), flip64)
+#define MPT__A(i) _mm512_set1_epi32(mpt__qgemm_group(rows[i] + 4 * g))
     MPT__RB_LOOP(MPT__ROWS12, __m512i, _mm512_setzero_si512(), g, kg, (void)0, __m512i,
                  _mm512_loadu_si512, MPT__A, MPT__MAC_VNNI)
 #undef MPT__A
@@ -34016,8 +34018,8 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
 /* AVX-512 VNNI for a panel of at most MPT__QGEMM_FEW_ROWS rows (a batch
    of 1 to 4 samples), where the 12-row kernels would repeat the short
    panel's last row and do 12 rows' work for one. Row i's group g is the
-   4 bytes at a[i] + g·step, flipped by flip (a packed panel: step 4·MR,
-   flip 0; rows in place: step 4, as mpt__qgemm_kernel_vnni_rows). Even
+   4 bytes of u at a[i] + g·step (a packed panel: step 4·MR; rows: step 4,
+   as mpt__qgemm_kernel_vnni_rows reads them). Even
    and odd groups go to two sets of sums, added at the end, so that one
    row still keeps four vpdpbusd chains in flight. The sums are exact
    integers, so the tile holds the 12-row kernels' values bit for bit. */
@@ -34027,8 +34029,7 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
 #define MPT__QF_ROWS3(X) X(0) X(1) X(2)
 #define MPT__QF_ROWS4(X) X(0) X(1) X(2) X(3)
 #define MPT__QF_ZERO(i) __m512i s##i##0 = z, s##i##1 = z, s##i##2 = z, s##i##3 = z;
-#define MPT__QF_A(i, g) \
-    _mm512_xor_si512(_mm512_set1_epi32(mpt__qgemm_group(a[i] + (g) * step)), flip64)
+#define MPT__QF_A(i, g) _mm512_set1_epi32(mpt__qgemm_group(a[i] + (g) * step))
 #define MPT__QF_STEP2(i)                                                                    \
     {                                                                                       \
         const __m512i a0 = MPT__QF_A(i, g), a1 = MPT__QF_A(i, g + 1);                        \
@@ -34068,10 +34069,10 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_rows(int64_t kg,
     }
 MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_few(int64_t kg,
                                                                const uint8_t *const *a,
-                                                               int64_t step, int flip, int rows,
+                                                               int64_t step, int rows,
                                                                const uint8_t *b, int bw,
                                                                int32_t *tile) {
-    const __m512i flip64 = _mm512_set1_epi8((char)flip), z = _mm512_setzero_si512();
+    const __m512i z = _mm512_setzero_si512();
     const int64_t gb = 4 * (int64_t)bw; /* bytes of B a group */
     const int wide = bw == 32;
     int64_t g;
@@ -34106,6 +34107,31 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_few(int64_t kg,
    The driver
    ----------------------------------------------------------------------------- */
 
+#if MPT__X86
+/* Defined in @impl-quantized-conv. */
+MPT__TARGET_AVX512 static void mpt__qconv_flip_copy_avx512(uint8_t *dst, const int8_t *src,
+                                                           int64_t n);
+
+/* The panel's mb rows of an int8 A (rows[0 .. 11], a short panel
+   repeating its last) copied as u = A + 128 into `copy`, 4·kg bytes a
+   row (the bytes past K zero), and rows[] pointed at the copies. The
+   kernels then multiply u as it stands: flipping each broadcast group
+   in them took an xor per vpdpbusd pair, which on Intel shares the two
+   ports vpdpbusd runs on; the copy is one pass over the panel's bytes
+   (12·K) for the 12·N·K multiply-adds it feeds. */
+static void mpt__qgemm_flip_rows(const mpt__qgemm_job *job, const uint8_t **rows, int mb,
+                                 uint8_t *copy) {
+    const int64_t k = job->d->k, stride = 4 * job->kg;
+    int i;
+    for (i = 0; i < mb; i++) {
+        uint8_t *dst = copy + i * stride;
+        mpt__qconv_flip_copy_avx512(dst, (const int8_t *)rows[i], k);
+        memset(dst + k, 0, (size_t)(stride - k));
+    }
+    for (i = 0; i < 12; i++) rows[i] = copy + MPT__MIN(i, mb - 1) * stride;
+}
+#endif
+
 static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
     const mpt_qgemm_desc *d = job->d;
@@ -34120,14 +34146,15 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     int i;
     for (ir = i0; ir < i1; ir += mr) {
         const int mb = (int)MPT__MIN(mr, i1 - ir);
-        /* rows read in place: in the panel of A's last row only where K
-           is whole groups of 4 (else that row's last group would read
+        /* rows read as rows: an int8 A's from its flipped copy, an
+           unsigned A's in place, in the panel of A's last row only where
+           K is whole groups of 4 (else that row's last group would read
            bytes past A). A batch of 1 to 4 is that panel alone: packing
            it zeroed and filled a 12-row panel for one row, and reading
-           in place made the mlp's and cnn_small's int8 predicts of one
-           image 1.2-1.35x faster (bench/ab_predict.py against the
-           packing) */
-        const int in_place = job->rows_in_place && (ir + mb < d->m || d->k % 4 == 0);
+           rows made the mlp's and cnn_small's int8 predicts of one image
+           1.2-1.35x faster (bench/ab_predict.py against the packing) */
+        const int in_place = job->rows_in_place &&
+                             (!d->a_unsigned || ir + mb < d->m || d->k % 4 == 0);
 #if MPT__X86
         const int few = job->kernel == mpt__qgemm_kernel_vnni && mb <= MPT__QGEMM_FEW_ROWS;
 #endif
@@ -34138,6 +34165,9 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
             for (i = 0; i < mb; i++) /* Σu is needed only against B's zero point */
                 rowsum[i] = d->b_zero_point
                                 ? (int32_t)mpt__qgemm_byte_sum(rows[i], d->k, flip) : 0;
+#if MPT__X86
+            if (flip) mpt__qgemm_flip_rows(job, rows, mb, apack);
+#endif
         } else {
             mpt__qgemm_pack_a(job, apack, ir, mb, rowsum);
         }
@@ -34149,12 +34179,11 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
             const int w = d->n - jr <= nr / 2 ? nr / 2 : nr; /* as packed */
 #if MPT__X86
             if (few)
-                mpt__qgemm_kernel_vnni_few(job->kg, rows, in_place ? 4 : 4 * mr,
-                                           in_place && !d->a_unsigned ? 0x80 : 0, mb,
+                mpt__qgemm_kernel_vnni_few(job->kg, rows, in_place ? 4 : 4 * mr, mb,
                                            job->bpack + jr * job->kg * 4, w, tile);
             else if (in_place)
-                mpt__qgemm_kernel_vnni_rows(job->kg, rows, d->a_unsigned ? 0 : 0x80,
-                                            job->bpack + jr * job->kg * 4, w, tile);
+                mpt__qgemm_kernel_vnni_rows(job->kg, rows, job->bpack + jr * job->kg * 4, w,
+                                            tile);
             else
 #endif
                 job->kernel(job->kg, apack, job->bpack + jr * job->kg * 4, w, tile);

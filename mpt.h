@@ -582,7 +582,9 @@ enum {
     MPT_CPU_AVX512 = 1 << 2,      /* AVX-512 F, BW, DQ, VL          */
     MPT_CPU_AVX512_BF16 = 1 << 3, /* AVX-512 BF16 dot products      */
     MPT_CPU_AVX512_VNNI = 1 << 4, /* AVX-512 int8 dot products      */
-    MPT_CPU_AVX512_VBMI = 1 << 5  /* AVX-512 byte permutes          */
+    MPT_CPU_AVX512_VBMI = 1 << 5, /* AVX-512 byte permutes          */
+    MPT_CPU_AMX_INT8 = 1 << 6     /* AMX tiles of int8 products (and
+                                     Linux lets the process use them) */
 };
 
 /* Which GEMM a CUDA context runs: the hand-written tensor-core kernel in
@@ -649,7 +651,7 @@ typedef struct mpt_device_info {
                                   may use fewer: disable_cpu_features)     */
     char features[128];        /* the same as words: "avx2 fma f16c avx512f
                                   avx512bw avx512dq avx512vl avx512bf16
-                                  avx512vnni"                              */
+                                  avx512vnni avx512vbmi amx-tile amx-int8"  */
     /* a CUDA device */
     int compute_major, compute_minor; /* compute capability, e.g. 9, 0     */
     int sm_count;              /* streaming multiprocessors                 */
@@ -27939,6 +27941,38 @@ static mpt_status mpt__pool_start(mpt_context *ctx) {
    its pool started, its backend chosen
    ============================================================================= */
 
+/* Whether this process may run AMX's int8 tiles: the CPU has them (CPUID
+   leaf 7, EDX bits 24 AMX-TILE and 25 AMX-INT8), the OS saves their state
+   (XCR0 bits 17 and 18; xgetbv is safe here, AVX-512 was found usable),
+   and Linux grants the process the 8 KiB of tile data a thread that it
+   saves only for processes that ask: arch_prctl(ARCH_REQ_XCOMP_PERM =
+   0x1023, XFEATURE_XTILEDATA = 18), a grant to the whole process, asked
+   again harmlessly by every context. The system call is made directly
+   (x86-64's number 158): -std=c99's headers do not declare syscall(). */
+#if MPT__X86
+static int mpt__detect_amx_int8(void) {
+#if defined(__x86_64__) && defined(__linux__)
+    unsigned r[4], lo, hi;
+    long granted;
+    __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                         : "a"(0), "c"(0));
+    if (r[0] < 7) return 0;
+    __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                         : "a"(7), "c"(0));
+    if (!((r[3] >> 24) & 1u) || !((r[3] >> 25) & 1u)) return 0;
+    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((((uint64_t)hi << 32) | lo) >> 17 & 3u) != 3u) return 0;
+    __asm__ __volatile__("syscall"
+                         : "=a"(granted)
+                         : "a"(158L), "D"(0x1023L), "S"(18L)
+                         : "rcx", "r11", "memory");
+    return granted == 0;
+#else
+    return 0;
+#endif
+}
+#endif
+
 /* The SIMD features this CPU has (MPT_CPU_*), as a context and a device
    query report them. */
 static int mpt__detect_cpu(void) {
@@ -27961,6 +27995,7 @@ static int mpt__detect_cpu(void) {
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512bf16")) f |= MPT_CPU_AVX512_BF16;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= MPT_CPU_AVX512_VNNI;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vbmi")) f |= MPT_CPU_AVX512_VBMI;
+    if ((f & MPT_CPU_AVX512_VNNI) && mpt__detect_amx_int8()) f |= MPT_CPU_AMX_INT8;
 #endif
     return f;
 }
@@ -28156,7 +28191,8 @@ static void mpt__cpu_feature_words(int features, char *out, size_t size) {
         {MPT_CPU_AVX512, "avx512f avx512bw avx512dq avx512vl"},
         {MPT_CPU_AVX512_BF16, "avx512bf16"},
         {MPT_CPU_AVX512_VNNI, "avx512vnni"},
-        {MPT_CPU_AVX512_VBMI, "avx512vbmi"}};
+        {MPT_CPU_AVX512_VBMI, "avx512vbmi"},
+        {MPT_CPU_AMX_INT8, "amx-tile amx-int8"}};
     size_t used = 0, i;
     out[0] = 0;
     for (i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -33416,7 +33452,13 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
    straight pass over the panel's bytes, so that the kernel's only vector
    arithmetic is vpdpbusd (flipping each broadcast group with an xor took
    an op per vpdpbusd pair, which on Intel's two VNNI ports made the
-   mlp's int8 predicts of 128 images 1.4x slower). The raw sums go to an
+   mlp's int8 predicts of 128 images 1.4x slower). With AMX (Intel's
+   tiles, since Sapphire Rapids) a product of more than four rows and a
+   depth of at least 64 runs in 32-row panels instead: the panel's rows
+   copied as u in whole 64-byte chunks (zeros past K), each chunk of 16
+   groups multiplied by tdpbusd against the packed B as it lies (16
+   columns of 16 groups are a tile at B's group stride), 32×32 sums a
+   call: the same integers (mpt__qgemm_kernel_amx). The raw sums go to an
    MR×NR int32 tile on the stack and the epilogue (zero points, bias,
    requantization) stores them, 16 columns at a time with AVX-512 or 8
    with AVX2 (in 32-bit lanes), else one by one; with AVX-512, a product
@@ -33441,6 +33483,10 @@ static int mpt__cpu_conv_kernel_grad(mpt_context *ctx, const mpt_conv_args *a) {
 #define MPT__QGEMM_STREAM_BYTES ((int64_t)256 << 10)
 #define MPT__QGEMM_STREAM_ROWS 4
 #define MPT__QGEMM_PLAN_THREADS 16 /* up to: tasks shaped by mpt__qgemm_makespan */
+#define MPT__QGEMM_AMX_ROWS 32 /* AMX's panels of A: two tiles of 16 rows */
+/* Bytes a tile load may read past B's last packed panel (15 groups of 32
+   columns): mpt__qgemm_pack allocates them, zeroed, where AMX may run. */
+#define MPT__QGEMM_AMX_SLACK (15 * 32 * 4)
 
 #if MPT__X86
 #define MPT__TARGET_AVX512_VNNI                                                           \
@@ -33462,6 +33508,7 @@ typedef struct mpt__qgemm_job {
     int plain_requant; /* int8 C whose sums cannot saturate and whose
                           shifts are all ≤ 0 (mpt__qgemm_is_plain_requant) */
     int rows_in_place; /* the VNNI kernel reads A's rows unpacked (K ≥ 4)  */
+    int amx;           /* AMX tiles, 32-row panels (mpt__qgemm_takes_amx)   */
     int64_t kg;        /* depth groups                                      */
     int64_t zu;        /* A's zero point, shifted with A to uint8           */
     uint8_t *bpack;    /* packed B: the panel of column j starts at j·kg·4  */
@@ -33765,7 +33812,7 @@ MPT__TARGET_AVX512 static void mpt__qgemm_store_tile_avx512(const mpt__qgemm_job
     const __m512i qhi = _mm512_set1_epi32(hi - d->c_zero_point);
     const __m512i zp = _mm512_set1_epi32(d->c_zero_point);
     const int64_t zb = d->b_zero_point;
-    int32_t row[12]; /* MR ≤ 12: each row's zero-point term, mod 2^32 */
+    int32_t row[32]; /* MR ≤ 32 (AMX's panels): each row's zero-point term, mod 2^32 */
     int i, j;
     for (i = 0; i < mb; i++) {
         const uint32_t low = (uint32_t)(uint64_t)(d->k * job->zu * zb - zb * rowsum[i]);
@@ -34094,6 +34141,79 @@ MPT__TARGET_AVX512_VNNI static void mpt__qgemm_kernel_vnni_few(int64_t kg,
 #undef MPT__QF_STORE
 #undef MPT__QF_LOAD
 #undef MPT__QF_BODY
+
+#if defined(__x86_64__) && defined(__linux__)
+/* AMX: a panel of 32 rows of u (copied, mpt__qgemm_copy_rows_amx) times a
+   packed panel of B in tiles of 16 rows of 64 bytes: tdpbusd multiplies
+   16 rows × 16 groups of u by the same 16 groups of 16 columns of B (a
+   tile of the VNNI layout as it is packed: group g's 16 columns are 64
+   contiguous bytes, the next group's 4·bw bytes on) into 16 × 16 int32,
+   the very sums vpdpbusd makes, 16 of its zmm's work an instruction.
+   Tiles 0-3: rows 16r.., columns 16c.. (tile 2r + c); 4, 5: the two
+   halves' chunk of u; 6, 7: the chunk's two halves of B's columns. */
+#define MPT__TARGET_AMX_INT8 \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,amx-tile,amx-int8,fma,f16c")))
+/* GCC's tile intrinsics are asm statements that name no memory: this
+   keeps the compiler from moving the copied rows' stores past a tile
+   load, or the tile's reads before its store. */
+#define MPT__AMX_MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
+
+typedef struct mpt__amx_config { /* palette 1: 64 bytes */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} mpt__amx_config;
+
+/* Every tile 16 rows of 64 bytes; a thread sets this before its panels
+   and releases the tiles after (ldtilecfg zeroes them). */
+MPT__TARGET_AMX_INT8 static void mpt__amx_begin(void) {
+    mpt__amx_config c;
+    int t;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (t = 0; t < 8; t++) c.rows[t] = 16, c.bytes_per_row[t] = 64;
+    MPT__AMX_MEMORY_BARRIER();
+    _tile_loadconfig(&c);
+}
+
+MPT__TARGET_AMX_INT8 static void mpt__amx_end(void) { _tile_release(); }
+
+/* chunks: 64-byte chunks of a row of u (16 groups each); a: 32 rows of u,
+   stride bytes apart; b: the packed panel (bw = 32 or 16 columns); tile:
+   32 × 32 int32 (row-major, as the VNNI kernels leave it). Groups past
+   the panel's (the last chunk's) meet zero bytes of u. */
+MPT__TARGET_AMX_INT8 static void mpt__qgemm_kernel_amx(int64_t chunks, const uint8_t *a,
+                                                       int64_t stride, const uint8_t *b, int bw,
+                                                       int32_t *tile) {
+    const int64_t gb = 4 * (int64_t)bw; /* bytes of B a group */
+    int64_t c;
+    MPT__AMX_MEMORY_BARRIER();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (c = 0; c < chunks; c++) {
+        const uint8_t *bc = b + c * 16 * gb;
+        _tile_loadd(4, a + 64 * c, stride);
+        _tile_loadd(5, a + 16 * stride + 64 * c, stride);
+        _tile_loadd(6, bc, gb);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+        if (bw == 32) {
+            _tile_loadd(7, bc + 64, gb);
+            _tile_dpbusd(1, 4, 7);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, tile, 128);
+    _tile_stored(2, tile + 16 * 32, 128);
+    if (bw == 32) {
+        _tile_stored(1, tile + 16, 128);
+        _tile_stored(3, tile + 16 * 32 + 16, 128);
+    }
+    MPT__AMX_MEMORY_BARRIER();
+}
+#endif
 #undef MPT__MAC_MADD256
 #undef MPT__MAC_MADD512
 #undef MPT__MAC_VNNI
@@ -34132,6 +34252,50 @@ static void mpt__qgemm_flip_rows(const mpt__qgemm_job *job, const uint8_t **rows
 }
 #endif
 
+#if MPT__X86 && defined(__x86_64__) && defined(__linux__)
+/* Rows ir .. ir + mb − 1 of A as u (int8 flipped, uint8 as they are) into
+   `copy`, a row every `stride` bytes (whole 64-byte chunks, zero past K),
+   with their sums as packing takes them; the rows past mb are left as
+   they were: their sums are never stored. */
+static void mpt__qgemm_copy_rows_amx(const mpt__qgemm_job *job, int64_t ir, int mb,
+                                     int64_t stride, uint8_t *copy, int32_t *rowsum) {
+    const mpt_qgemm_desc *d = job->d;
+    const int flip = d->a_unsigned ? 0 : 0x80;
+    int i;
+    for (i = 0; i < mb; i++) {
+        const uint8_t *row = (const uint8_t *)d->a + (ir + i) * d->lda;
+        uint8_t *dst = copy + i * stride;
+        if (flip) mpt__qconv_flip_copy_avx512(dst, (const int8_t *)row, d->k);
+        else memcpy(dst, row, (size_t)d->k);
+        memset(dst + d->k, 0, (size_t)(stride - d->k));
+        rowsum[i] = d->b_zero_point ? (int32_t)mpt__qgemm_byte_sum(row, d->k, flip) : 0;
+    }
+}
+
+/* Task `task` on AMX tiles: each 32-row panel of its rows copied once,
+   then multiplied into every panel of its columns. */
+static void mpt__qgemm_task_amx(const mpt__qgemm_job *job, int64_t task, int thread) {
+    const mpt_qgemm_desc *d = job->d;
+    const mpt__task_rect r = mpt__gemm_task_rect(task, job->tasks_n, job->task_rows,
+                                                 job->task_cols, d->m, d->n);
+    const int64_t chunks = (d->k + 63) / 64, stride = 64 * chunks;
+    uint8_t *copy = (uint8_t *)mpt__thread_scratch(job->ctx, thread);
+    int32_t tile[MPT__QGEMM_AMX_ROWS * 32], rowsum[MPT__QGEMM_AMX_ROWS];
+    int64_t ir, jr;
+    mpt__amx_begin();
+    for (ir = r.i0; ir < r.i1; ir += MPT__QGEMM_AMX_ROWS) {
+        const int mb = (int)MPT__MIN(MPT__QGEMM_AMX_ROWS, r.i1 - ir);
+        mpt__qgemm_copy_rows_amx(job, ir, mb, stride, copy, rowsum);
+        for (jr = r.j0; jr < r.j1; jr += job->nr) {
+            const int w = d->n - jr <= job->nr / 2 ? job->nr / 2 : job->nr; /* as packed */
+            mpt__qgemm_kernel_amx(chunks, copy, stride, job->bpack + jr * job->kg * 4, w, tile);
+            mpt__qgemm_store(job, tile, rowsum, ir, jr, mb, (int)MPT__MIN(job->nr, r.j1 - jr));
+        }
+    }
+    mpt__amx_end();
+}
+#endif
+
 static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     const mpt__qgemm_job *job = (const mpt__qgemm_job *)arg;
     const mpt_qgemm_desc *d = job->d;
@@ -34144,6 +34308,12 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
     const uint8_t *rows[12];
     int64_t ir, jr;
     int i;
+#if MPT__X86 && defined(__x86_64__) && defined(__linux__)
+    if (job->amx) {
+        mpt__qgemm_task_amx(job, task, thread);
+        return;
+    }
+#endif
     for (ir = i0; ir < i1; ir += mr) {
         const int mb = (int)MPT__MIN(mr, i1 - ir);
         /* rows read as rows: an int8 A's from its flipped copy, an
@@ -34309,14 +34479,16 @@ static int mpt__qgemm_is_plain_requant(const mpt_qgemm_desc *d) {
 struct mpt_qgemm_packed {
     int64_t n, k;
     int nr, quads;   /* the layout: which kernels can read it            */
+    int slack;       /* zero bytes after the column sums, for AMX's loads
+                        past the last panel (MPT__QGEMM_AMX_SLACK), or 0  */
     uint8_t *bpack;  /* the panels, then (n) column sums at colsum        */
     int32_t *colsum;
 };
 
-/* The bytes p holds: its panels (to a whole 64) and column sums; 0 for
-   NULL. */
+/* The bytes p holds: its panels (to a whole 64), column sums and slack;
+   0 for NULL. */
 static int64_t mpt__qgemm_packed_bytes(const mpt_qgemm_packed *p) {
-    return p ? (int64_t)((const uint8_t *)p->colsum - p->bpack) + 4 * p->n : 0;
+    return p ? (int64_t)((const uint8_t *)p->colsum - p->bpack) + 4 * p->n + p->slack : 0;
 }
 
 /* The packing layout's name, for a message. */
@@ -34329,18 +34501,25 @@ static const char *mpt__qgemm_layout_name(int nr, int quads) {
 static mpt_status mpt__qgemm_pack(mpt_context *ctx, const mpt_qgemm_desc *d, mpt__qgemm_job *job,
                                   int serial, mpt_qgemm_packed *p) {
     const int64_t panels = (d->n + job->nr - 1) / job->nr;
+    int slack = 0;
     int64_t bbytes, q;
+#if MPT__X86 && defined(__x86_64__) && defined(__linux__)
+    if ((ctx->cpu & MPT_CPU_AMX_INT8) && job->kernel == mpt__qgemm_kernel_vnni)
+        slack = MPT__QGEMM_AMX_SLACK;
+#endif
     if (!mpt__mul_ok(panels * job->nr, job->kg * 4, &bbytes) ||
-        !mpt__add_ok((bbytes + 63) / 64 * 64, d->n * 4, &bbytes) || (uint64_t)bbytes > SIZE_MAX)
+        !mpt__add_ok((bbytes + 63) / 64 * 64, d->n * 4 + slack, &bbytes) ||
+        (uint64_t)bbytes > SIZE_MAX)
         return mpt__fail(ctx, MPT_ERR_OVERFLOW, "qgemm: the packed B (k = %lld, n = %lld) "
                          "overflows", (long long)d->k, (long long)d->n);
-    p->n = d->n, p->k = d->k, p->nr = job->nr, p->quads = job->quads;
+    p->n = d->n, p->k = d->k, p->nr = job->nr, p->quads = job->quads, p->slack = slack;
     p->bpack = (uint8_t *)mpt__alloc(ctx, (size_t)bbytes);
     if (!p->bpack)
         return mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY,
                          "qgemm: cannot allocate %lld bytes for the packed B (k = %lld, n = %lld)",
                          (long long)bbytes, (long long)d->k, (long long)d->n);
     p->colsum = (int32_t *)(void *)(p->bpack + (panels * job->nr * job->kg * 4 + 63) / 64 * 64);
+    memset((uint8_t *)(p->colsum + d->n), 0, (size_t)slack);
     job->bpack = p->bpack;
     job->colsum = p->colsum;
     if (serial)
@@ -34354,6 +34533,26 @@ static mpt_status mpt__qgemm_pack(mpt_context *ctx, const mpt_qgemm_desc *d, mpt
    this n, k and ctx's layout); plain is mpt__qgemm_is_plain_requant(d),
    which a caller whose requantization never changes (a quantized model's
    layer) works out once. */
+/* Whether the product of job (its B packed as p) runs on AMX tiles: the
+   context may, the VNNI layout with AMX's slack after it, more rows than
+   the few-rows kernel takes, and a depth of at least 64 (a chunk), at
+   most what a 32-row copy of A leaves of the scratch. Shorter products
+   (a 3×3 conv's 9-byte im2col rows) stay on VNNI, where a tile's loads,
+   stores and reads back would cost more than its multiplies save. */
+static int mpt__qgemm_takes_amx(const mpt_context *ctx, const mpt__qgemm_job *job,
+                                const mpt_qgemm_packed *p) {
+#if MPT__X86 && defined(__x86_64__) && defined(__linux__)
+    const mpt_qgemm_desc *d = job->d;
+    return (ctx->cpu & MPT_CPU_AMX_INT8) && job->kernel == mpt__qgemm_kernel_vnni &&
+           p->slack >= MPT__QGEMM_AMX_SLACK && d->m > MPT__QGEMM_FEW_ROWS && d->k >= 64 &&
+           (double)MPT__QGEMM_AMX_ROWS * 64.0 * (double)((d->k + 63) / 64) <=
+               (double)MPT__THREAD_SCRATCH_BYTES;
+#else
+    (void)ctx, (void)job, (void)p;
+    return 0;
+#endif
+}
+
 static mpt_status mpt__qgemm_run(mpt_context *ctx, const mpt_qgemm_desc *d, int plain) {
     mpt__qgemm_job job;
     mpt_qgemm_packed own;
@@ -34379,6 +34578,10 @@ static mpt_status mpt__qgemm_run(mpt_context *ctx, const mpt_qgemm_desc *d, int 
         job.colsum = d->b_packed->colsum;
     } else {
         MPT__CHECK(mpt__qgemm_pack(ctx, d, &job, serial, &own));
+    }
+    if (mpt__qgemm_takes_amx(ctx, &job, d->b_packed ? d->b_packed : &own)) {
+        job.amx = 1;
+        job.mr = MPT__QGEMM_AMX_ROWS;
     }
     mpt__qgemm_plan_tasks(&job, ctx->num_threads, serial);
     mpt__parallel_for(ctx, ((d->m + job.task_rows - 1) / job.task_rows) * job.tasks_n,

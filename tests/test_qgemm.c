@@ -5,7 +5,8 @@
    plain triple loop in int64, and every int8 result a scalar reference of
    TFLite's requantization written here from the formulas (in int64, as
    floor divisions, not as the library's nudge-and-truncate), on every SIMD
-   path (forced down with the context's feature mask) and on 1 and 2
+   path, AMX's tiles first where the CPU has them (forced down with the
+   context's feature mask), and on 1 and 2
    threads. Inputs cover the whole int8 range (−128 and 127 included),
    random zero points, padded leading dimensions and both orientations of
    B; outputs are poisoned before each call, and the padding between rows
@@ -18,7 +19,8 @@ static const struct {
     const char *name;
     int disable, needs;
 } paths[] = {
-    {"avx512 vnni", 0, MPT_CPU_AVX512 | MPT_CPU_AVX512_VNNI},
+    {"amx int8", 0, MPT_CPU_AVX512 | MPT_CPU_AVX512_VNNI | MPT_CPU_AMX_INT8},
+    {"avx512 vnni", MPT_CPU_AMX_INT8, MPT_CPU_AVX512 | MPT_CPU_AVX512_VNNI},
     {"avx512 without vnni", MPT_CPU_AVX512_VNNI, MPT_CPU_AVX512},
     {"avx2 (no avx512)", MPT_CPU_AVX512 | MPT_CPU_AVX512_BF16 | MPT_CPU_AVX512_VNNI, MPT_CPU_AVX2},
     {"portable", ~0, 0},
@@ -1189,7 +1191,43 @@ static void test_backend_slot(void) {
     mpt_context_destroy(ctx);
 }
 
+/* Which products the AMX path takes (mpt__qgemm_takes_amx), so that the
+   "amx int8" path of the tests above runs on tiles where it claims to: a
+   128 × 64 × 784 product with B packed on a context with AMX does; B
+   packed without AMX (no slack past its last panel), a depth of 63 and
+   four rows (the few-rows kernel's) do not. */
+static void test_amx_taken(void) {
+    mpt_context *amx = path_ctx_for_test(0, 1), *plain = amx ? path_ctx(1, MPT_CPU_AMX_INT8) : NULL;
+    qcase q;
+    qdata x;
+    mpt_qgemm_packed *with = NULL, *without = NULL;
+    mpt__qgemm_job job;
+    if (!amx) return;
+    memset(&q, 0, sizeof q);
+    q.m = 128, q.n = 64, q.k = 784;
+    make_case(&q, &x);
+    with = pack_copy(amx, &q, &x);
+    without = plain ? pack_copy(plain, &q, &x) : NULL;
+    CHECK(with && without, "packing failed");
+    memset(&job, 0, sizeof job);
+    job.d = &x.d;
+    mpt__qgemm_choose_kernel(&job, mpt_context_cpu_features(amx));
+    CHECK(with && mpt__qgemm_takes_amx(amx, &job, with), "128 x 64 x 784: not on AMX");
+    CHECK(without && !mpt__qgemm_takes_amx(amx, &job, without),
+          "B packed without AMX's slack taken by AMX");
+    x.d.k = 63;
+    CHECK(with && !mpt__qgemm_takes_amx(amx, &job, with), "a depth of 63 taken by AMX");
+    x.d.k = 784, x.d.m = 4;
+    CHECK(with && !mpt__qgemm_takes_amx(amx, &job, with), "four rows taken by AMX");
+    mpt_qgemm_packed_free(amx, with);
+    mpt_qgemm_packed_free(plain, without);
+    free_case(&x);
+    mpt_context_destroy(plain);
+    mpt_context_destroy(amx);
+}
+
 int main(void) {
+    TEST_RUN(test_amx_taken);
     TEST_RUN(test_bad_arguments);
     TEST_RUN(test_bad_packed);
     TEST_RUN(test_quantize_multiplier);

@@ -1334,7 +1334,8 @@ static void test_float16_model(void) {
 /* What an int8 model keeps besides its file's bytes, from what its
    operations hold, each by its own layout's rule: a packed kernel's
    panels of nr columns and depth groups (4 bytes a group of four, or of
-   two without VNNI's quads), to a whole 64 bytes, and its column sums; a
+   two without VNNI's quads), to a whole 64 bytes, its column sums and,
+   where AMX may read them, the zero bytes after them (slack); a
    direct Conv2D's taps and sums (its filters padded to 16); full
    integer's multiplier and shift per channel and its lookup tables. */
 static int64_t int8_kept_bytes(const mpt__quantized *Q) {
@@ -1347,7 +1348,7 @@ static int64_t int8_kept_bytes(const mpt__quantized *Q) {
             const mpt_qgemm_packed *p = op->wpacked;
             const int64_t groups = p->quads ? (p->k + 3) / 4 : (p->k + 1) / 2;
             const int64_t panels = (p->n + p->nr - 1) / p->nr;
-            bytes += (panels * p->nr * groups * 4 + 63) / 64 * 64 + 4 * p->n;
+            bytes += (panels * p->nr * groups * 4 + 63) / 64 * 64 + 4 * p->n + p->slack;
         }
         if (op->direct_w) bytes += (op->direct_groups + 1) * ((N + 15) / 16 * 16) * 4;
         if (op->mult) bytes += 8 * N;

@@ -27948,7 +27948,11 @@ static mpt_status mpt__pool_start(mpt_context *ctx) {
    saves only for processes that ask: arch_prctl(ARCH_REQ_XCOMP_PERM =
    0x1023, XFEATURE_XTILEDATA = 18), a grant to the whole process, asked
    again harmlessly by every context. The system call is made directly
-   (x86-64's number 158): -std=c99's headers do not declare syscall(). */
+   (x86-64's number 158): -std=c99's headers do not declare syscall().
+   Once granted, Linux refuses a later sigaltstack() smaller than the
+   signal frame tile data needs (and refuses the grant where one is
+   already in place: then no AMX); disable_cpu_features with
+   MPT_CPU_AMX_INT8 does not take the grant back. */
 #if MPT__X86
 static int mpt__detect_amx_int8(void) {
 #if defined(__x86_64__) && defined(__linux__)

@@ -401,8 +401,9 @@
      quantized inference and export:
        @impl-qgemm        the int8 GEMM: zero points, packing, requantizing
                           stores
-       @impl-qgemm-kernels  its micro-kernels (VNNI/AVX-512/AVX2), tasks,
-                          plan, mpt_qgemm
+       @impl-qgemm-kernels  its micro-kernels (VNNI/AVX-512/AVX2/AMX) and
+                          the task that runs them
+       @impl-qgemm-plan   its tasks planned, B packed, the checks, mpt_qgemm
        @impl-quantize     the quantized model's operations from the float
                           layers, BatchNormalization folded (or a MUL and an
                           ADD by its constants)
@@ -13577,7 +13578,7 @@ static inline MPT__HD double mpt__squared_error_term(float x, float t, float *g)
 }
 
 /* ---- the int8 GEMM's requantization ----------------------------------------
-   TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm-kernels)
+   TFLite's fixed-point rules (gemmlowp's), which mpt_qgemm (@impl-qgemm-plan)
    and the CUDA int8 GEMM both run, so an int8 result has the same bits on
    both backends. Integer steps only: nothing here depends on the
    compiler's float contraction or the device's rounding modes. */
@@ -33972,7 +33973,7 @@ static void mpt__qgemm_store(const mpt__qgemm_job *job, const int32_t *tile,
 }
 
 /* =============================================================================
-   @impl-qgemm-kernels: the int8 GEMM's micro-kernels (portable, AVX2, AVX-512, VNNI), tasks and plan, mpt_qgemm
+   @impl-qgemm-kernels: the int8 GEMM's micro-kernels (portable, AVX2, AVX-512, VNNI, AMX) and the task that runs them
    ============================================================================= */
 
 /* -----------------------------------------------------------------------------
@@ -34365,6 +34366,10 @@ static void mpt__qgemm_task(void *arg, int64_t task, int thread) {
         }
     }
 }
+
+/* =============================================================================
+   @impl-qgemm-plan: the int8 GEMM's tasks planned, its kernel chosen, B packed, the caller's description checked, mpt_qgemm
+   ============================================================================= */
 
 /* When the last task ends if the tasks go round the threads in order (as
    the pool hands them out when they cost alike): blocks of ur × uc tiles

@@ -601,7 +601,11 @@ typedef enum mpt_gemm_engine {
 typedef struct mpt_context_desc {
     int num_threads;         /* default 0: $MPT_NUM_THREADS, else the online CPUs */
     int disable_cpu_features;/* default 0: MPT_CPU_* bits never to use (tests use
-                                this to run the portable paths)                */
+                                this to run the portable paths); with
+                                MPT_CPU_AMX_INT8 the context never asks Linux
+                                for AMX's tile state, after which Linux
+                                refuses alternate signal stacks too small
+                                for it                                        */
     mpt_allocator allocator; /* default: malloc/free                          */
     mpt_logger logger;       /* default: errors and warnings to stderr        */
     /* Where models train. A build with -DMPT_CUDA takes a CUDA device unless
@@ -27952,13 +27956,13 @@ static mpt_status mpt__pool_start(mpt_context *ctx) {
    (x86-64's number 158): -std=c99's headers do not declare syscall().
    Once granted, Linux refuses a later sigaltstack() smaller than the
    signal frame tile data needs (and refuses the grant where one is
-   already in place: then no AMX); disable_cpu_features with
-   MPT_CPU_AMX_INT8 does not take the grant back. */
+   already in place: then no AMX). So a context whose descriptor disables
+   MPT_CPU_AMX_INT8 does not ask at all (a program with small alternate
+   signal stacks creates its contexts so); the grant, once made, stays. */
 #if MPT__X86
-static int mpt__detect_amx_int8(void) {
+static int mpt__cpu_has_amx_int8(void) {
 #if defined(__x86_64__) && defined(__linux__)
     unsigned r[4], lo, hi;
-    long granted;
     __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
                          : "a"(0), "c"(0));
     if (r[0] < 7) return 0;
@@ -27966,7 +27970,15 @@ static int mpt__detect_amx_int8(void) {
                          : "a"(7), "c"(0));
     if (!((r[3] >> 24) & 1u) || !((r[3] >> 25) & 1u)) return 0;
     __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if (((((uint64_t)hi << 32) | lo) >> 17 & 3u) != 3u) return 0;
+    return ((((uint64_t)hi << 32) | lo) >> 17 & 3u) == 3u;
+#else
+    return 0;
+#endif
+}
+
+static int mpt__ask_linux_for_amx(void) {
+#if defined(__x86_64__) && defined(__linux__)
+    long granted;
     __asm__ __volatile__("syscall"
                          : "=a"(granted)
                          : "a"(158L), "D"(0x1023L), "S"(18L)
@@ -27979,8 +27991,9 @@ static int mpt__detect_amx_int8(void) {
 #endif
 
 /* The SIMD features this CPU has (MPT_CPU_*), as a context and a device
-   query report them. */
-static int mpt__detect_cpu(void) {
+   query report them; AMX only where Linux was asked (ask_for_amx) and
+   granted it. */
+static int mpt__cpu_features(int ask_for_amx) {
     int f = 0;
 #if MPT__X86
     __builtin_cpu_init();
@@ -28000,10 +28013,16 @@ static int mpt__detect_cpu(void) {
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512bf16")) f |= MPT_CPU_AVX512_BF16;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= MPT_CPU_AVX512_VNNI;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vbmi")) f |= MPT_CPU_AVX512_VBMI;
-    if ((f & MPT_CPU_AVX512_VNNI) && mpt__detect_amx_int8()) f |= MPT_CPU_AMX_INT8;
+    if (ask_for_amx && (f & MPT_CPU_AVX512_VNNI) && mpt__cpu_has_amx_int8() &&
+        mpt__ask_linux_for_amx())
+        f |= MPT_CPU_AMX_INT8;
+#else
+    (void)ask_for_amx;
 #endif
     return f;
 }
+
+static int mpt__detect_cpu(void) { return mpt__cpu_features(1); }
 
 
 /* The CUDA device when this build has one and the descriptor and
@@ -28102,7 +28121,8 @@ MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context *
     ctx->allocator = d.allocator;
     ctx->logger = d.logger;
     ctx->num_threads = d.num_threads ? d.num_threads : mpt__default_threads();
-    ctx->cpu = mpt__detect_cpu() & ~d.disable_cpu_features;
+    ctx->cpu = mpt__cpu_features(!(d.disable_cpu_features & MPT_CPU_AMX_INT8)) &
+               ~d.disable_cpu_features;
     ctx->scratch = (void **)mpt__calloc(ctx, sizeof(void *) * (size_t)ctx->num_threads);
     if (!ctx->scratch) {
         s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "context: out of memory");

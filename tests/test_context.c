@@ -1,9 +1,12 @@
 /* The context: threads, the allocator hook (and that a built model's
    forward and backward allocate nothing), the logger, errors, tensors. */
-#define _POSIX_C_SOURCE 200809L /* setenv */
+#define _XOPEN_SOURCE 700 /* setenv, fork, sigaltstack */
 #define MPT_IMPLEMENTATION
 #include "../mpt.h"
 #include "helpers.h"
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static void quiet(void *user, mpt_log_level level, const char *msg) {
     (void)user;
@@ -259,7 +262,56 @@ static void test_dtypes_and_shapes(void) {
           "truncated format: %s", buf);
 }
 
+/* A context whose descriptor disables MPT_CPU_AMX_INT8 never asks Linux
+   for AMX's tile state. On a CPU with AMX, a child of this process (which
+   has made no context yet: this case runs first, and a child inherits
+   its parent's grant) makes such a context, then installs an alternate
+   signal stack over MINSIGSTKSZ but under the 8 KiB of tile data: Linux
+   refuses that stack once the process holds the grant, so its success
+   says the context did not ask. A context made after that with AMX
+   allowed is still made, without AMX (Linux refuses the grant while the
+   small stack is in place). */
+static void test_amx_not_asked_when_disabled(void) {
+#if MPT__X86 && defined(__x86_64__) && defined(__linux__)
+    static const char *why[] = {"", "the small signal stack was refused: the context asked",
+                                "AMX taken with a signal stack too small for it",
+                                "a context failed to be made"};
+    int status = 0;
+    pid_t child;
+    if (!mpt__cpu_has_amx_int8()) {
+        SKIP("this CPU lacks the path (no AMX int8 tiles the OS saves)");
+        return;
+    }
+    fflush(stdout);
+    child = fork();
+    if (child == 0) {
+        static char small[6 * 1024];
+        stack_t st;
+        mpt_context *ctx = NULL;
+        if (mpt_context_create(&(mpt_context_desc){.disable_cpu_features = MPT_CPU_AMX_INT8},
+                               &ctx) != MPT_OK)
+            _exit(3);
+        mpt_context_destroy(ctx);
+        memset(&st, 0, sizeof st);
+        st.ss_sp = small;
+        st.ss_size = sizeof small;
+        if (sigaltstack(&st, NULL) != 0) _exit(1);
+        if (mpt_context_create(NULL, &ctx) != MPT_OK) _exit(3);
+        status = mpt_context_cpu_features(ctx) & MPT_CPU_AMX_INT8 ? 2 : 0;
+        mpt_context_destroy(ctx);
+        _exit(status);
+    }
+    CHECK(child > 0 && waitpid(child, &status, 0) == child, "fork or wait failed");
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child: %s",
+          WIFEXITED(status) && WEXITSTATUS(status) <= 3 ? why[WEXITSTATUS(status)]
+                                                         : "ended by a signal");
+#else
+    SKIP("not x86-64 Linux");
+#endif
+}
+
 static void run_cases(void) {
+    TEST_RUN(test_amx_not_asked_when_disabled); /* first: before any context asks */
     TEST_RUN(test_no_allocation_in_a_step);
     TEST_RUN(test_out_of_memory_everywhere);
     TEST_RUN(test_context_destroyed_before_its_models);

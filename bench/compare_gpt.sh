@@ -41,9 +41,9 @@
 # but the two embeddings) + 12 × layers × context × width for the attention's
 # products (PaLM's count; the causal half that is masked is counted too).
 # On a shared host the probe reads what the other processes leave, as the
-# runs do. The share is of the fp32 FMA peak for both precisions: PyTorch's
-# bfloat16 matmuls run on AMX tiles, whose peak is far above it, so that
-# share can pass 100 %.
+# runs do. The share is of the fp32 FMA peak for both precisions: bfloat16
+# matmuls run on AVX-512 BF16 dot products (twice the FMA's rate) or, in
+# PyTorch on a CPU with AMX, on AMX tiles, so that share can pass 100 %.
 #
 # Output: a Markdown table of the medians over the rounds, one JSON line per
 # result ("gpt_result") and one per precision ("gpt_ratio": mpt.h's tokens/s
@@ -190,7 +190,8 @@ if "tensorflow" in {k[0] for k in groups}:
     print(f"# TensorFlow {t['version']}")
 print(f"# {flops_per_token / 1e6:.2f} MFLOP per training token; fp32 FMA peak (2 threads, best "
       f"of {len(peaks)} probes): " + (f"{peak:.1f} GFLOP/s" if peak else "not measured") +
-      " (a bfloat16 share past 100 % is AMX's doing)")
+      " (a bfloat16 share past 100 % is the bfloat16 dot products' doing, at twice the FMA"
+      " rate, or AMX's)")
 print()
 
 def frac(tps):

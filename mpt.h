@@ -653,7 +653,10 @@ typedef struct mpt_device_info {
     /* the CPU */
     int cores;                 /* logical cores online                      */
     int cpu_features;          /* the MPT_CPU_* bits the CPU has (a context
-                                  may use fewer: disable_cpu_features)     */
+                                  may use fewer: disable_cpu_features); AMX
+                                  where Linux grants it, or, queried through
+                                  a context that disables it (and so never
+                                  asks Linux), where the CPU and OS have it */
     char features[128];        /* the same as words: "avx2 fma f16c avx512f
                                   avx512bw avx512dq avx512vl avx512bf16
                                   avx512vnni avx512vbmi amx-tile amx-int8"  */
@@ -27991,8 +27994,9 @@ static int mpt__ask_linux_for_amx(void) {
 #endif
 
 /* The SIMD features this CPU has (MPT_CPU_*), as a context and a device
-   query report them; AMX only where Linux was asked (ask_for_amx) and
-   granted it. */
+   query report them. AMX where the CPU and the OS have it and, when
+   ask_for_amx, Linux granted the tile state (a context that disables
+   MPT_CPU_AMX_INT8 does not ask, and masks the bit out). */
 static int mpt__cpu_features(int ask_for_amx) {
     int f = 0;
 #if MPT__X86
@@ -28013,17 +28017,14 @@ static int mpt__cpu_features(int ask_for_amx) {
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512bf16")) f |= MPT_CPU_AVX512_BF16;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vnni")) f |= MPT_CPU_AVX512_VNNI;
     if ((f & MPT_CPU_AVX512) && __builtin_cpu_supports("avx512vbmi")) f |= MPT_CPU_AVX512_VBMI;
-    if (ask_for_amx && (f & MPT_CPU_AVX512_VNNI) && mpt__cpu_has_amx_int8() &&
-        mpt__ask_linux_for_amx())
+    if ((f & MPT_CPU_AVX512_VNNI) && mpt__cpu_has_amx_int8() &&
+        (!ask_for_amx || mpt__ask_linux_for_amx()))
         f |= MPT_CPU_AMX_INT8;
 #else
     (void)ask_for_amx;
 #endif
     return f;
 }
-
-static int mpt__detect_cpu(void) { return mpt__cpu_features(1); }
-
 
 /* The CUDA device when this build has one and the descriptor and
    $MPT_DEVICE allow it; the CPU otherwise (saying why when a GPU was
@@ -28250,12 +28251,12 @@ static void mpt__cpu_memory(int64_t *total, int64_t *available) {
     fclose(f);
 }
 
-static void mpt__cpu_device_info(mpt_device_info *out) {
+static void mpt__cpu_device_info(mpt_device_info *out, int ask_for_amx) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     out->kind = MPT_DEVICE_CPU;
     mpt__cpu_name(out->name, sizeof out->name);
     out->cores = cores > 0 ? (int)cores : 1;
-    out->cpu_features = mpt__detect_cpu();
+    out->cpu_features = mpt__cpu_features(ask_for_amx);
     mpt__cpu_feature_words(out->cpu_features, out->features, sizeof out->features);
     mpt__cpu_memory(&out->memory_total, &out->memory_free);
 }
@@ -28280,7 +28281,7 @@ MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info 
                          "device: index %d is not in 0..%d (0 is the CPU%s)", index, count - 1,
                          count > 1 ? ", 1.. the CUDA devices" : "; this build sees no other");
     if (index == 0) {
-        mpt__cpu_device_info(out);
+        mpt__cpu_device_info(out, !(ctx->desc.disable_cpu_features & MPT_CPU_AMX_INT8));
         return MPT_OK;
     }
 #ifdef MPT_CUDA

@@ -1957,7 +1957,7 @@ static void test_byte_table_lanes(void) {
             CHECK(off == 0, "vbmi %d, %lld bytes from %d: %d differ from the table", vbmi,
                   (long long)j.count, start, off);
         }
-    CHECK(has_vbmi || !(mpt__detect_cpu() & MPT_CPU_AVX512_VBMI), "VBMI detected but not used");
+    CHECK(has_vbmi || !(mpt__cpu_features(1) & MPT_CPU_AVX512_VBMI), "VBMI detected but not used");
     mpt_context_destroy(ctx);
 }
 
@@ -3280,8 +3280,8 @@ static void test_one_channel_conv_from_the_image(void) {
                     mpt_context_destroy(ctx);
                     free(xs);
                 }
-                if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) &&
-                    (mpt__detect_cpu() & MPT_CPU_AVX512))
+                if ((mpt__cpu_features(1) & MPT_CPU_AVX512_VNNI) &&
+                    (mpt__cpu_features(1) & MPT_CPU_AVX512))
                     CHECK(direct[0], "case %d: the conv does not run from the image", ci);
                 CHECK(!direct[1], "case %d: the conv runs from the image without VNNI", ci);
                 for (k = 0; codes[0] && codes[1] && k < count; k++)
@@ -3407,8 +3407,8 @@ static void test_conv_from_windows(void) {
                     mpt_context_destroy(ctx);
                     free(xs);
                 }
-                if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) &&
-                    (mpt__detect_cpu() & MPT_CPU_AVX512))
+                if ((mpt__cpu_features(1) & MPT_CPU_AVX512_VNNI) &&
+                    (mpt__cpu_features(1) & MPT_CPU_AVX512))
                     CHECK(direct[0], "case %d: the conv does not run from its windows", ci);
                 CHECK(!direct[1], "case %d: the conv runs from its windows without VNNI", ci);
                 one = count[0] / N; /* sample 0 alone: the batch's first sample */
@@ -3537,7 +3537,7 @@ static void test_forward_as_ops_one_by_one(void) {
           "(a run on 1 and 2 threads each)", chains);
     /* BN_CHAIN's first, BN_GRAPH's on the input and BN_CHAIN16's, looked up as
        their Conv2D copies rows; BN_CHAIN16's run in its dynamic quantization */
-    if ((mpt__detect_cpu() & MPT_CPU_AVX512_VNNI) && (mpt__detect_cpu() & MPT_CPU_AVX512))
+    if ((mpt__cpu_features(1) & MPT_CPU_AVX512_VNNI) && (mpt__cpu_features(1) & MPT_CPU_AVX512))
         CHECK(absorbed == 2 * 3 && adds == 2 * ADDS_AFTER_CONV && fused == 2,
               "%d chains absorbed by the Conv2D after them (want 2 + 3), %d ADDs run with the "
               "Conv2D before them (want %d), %d chains run in a dynamic quantization (want 2)",

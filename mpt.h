@@ -2014,8 +2014,10 @@ MPTDEF size_t mpt_model_summary(const mpt_model *m, char *buf, size_t size);
 
 /* The per-epoch history of the last fit: for each key ("loss", "accuracy",
    "val_loss", "val_accuracy", "learning_rate", "loss_scale",
-   "skipped_steps", "epoch_seconds", "samples_per_second", ...), one value
-   per epoch. */
+   "skipped_steps", "epoch_seconds", "samples_per_second",
+   "forward_ms_per_step", "backward_ms_per_step" (with replicas, which run
+   both in one task each: "forward_and_backward_ms_per_step"),
+   "update_ms_per_step", ...), one value per epoch. */
 typedef struct mpt_history {
     int epochs;                       /* epochs recorded                */
     int n_keys;
@@ -16996,6 +16998,9 @@ static int mpt__can_fuse_softmax(const mpt_model *m) {
 
 typedef struct mpt__step_times {
     double forward, backward, update; /* seconds, summed over an epoch */
+    int together;  /* forward and backward timed as one, all of it in
+                      backward: a model with replicas runs both in each
+                      replica's task, so no moment divides them */
 } mpt__step_times;
 
 /* The batch's targets where the backend reads them: y (output 0's) into
@@ -17720,6 +17725,7 @@ static int mpt__log_is_measurement(const char *name) {
     static const char *const names[] = {"learning_rate", "loss_scale", "skipped_steps",
                                         "epoch_seconds", "samples_per_second",
                                         "forward_ms_per_step", "backward_ms_per_step",
+                                        "forward_and_backward_ms_per_step",
                                         "update_ms_per_step"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
@@ -18436,7 +18442,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt_model *m = r->m;
     const mpt_fit_desc *d = r->d;
     mpt__tally tally;
-    mpt__step_times times = {0, 0, 0};
+    mpt__step_times times = {0, 0, 0, 0};
     int64_t batch = 0;
     int64_t skipped_before = m->skipped_steps;
     /* A tally sums over the workers, so all must take part in each: the
@@ -18503,8 +18509,15 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt__logs_set(logs, "skipped_steps", (double)(m->skipped_steps - skipped_before));
     mpt__logs_set(logs, "epoch_seconds", seconds);
     mpt__logs_set(logs, "samples_per_second", seconds > 0 ? (double)tally.samples / seconds : 0);
-    mpt__logs_set(logs, "forward_ms_per_step", batch ? 1e3 * times.forward / (double)batch : 0);
-    mpt__logs_set(logs, "backward_ms_per_step", batch ? 1e3 * times.backward / (double)batch : 0);
+    if (times.together) {
+        mpt__logs_set(logs, "forward_and_backward_ms_per_step",
+                      batch ? 1e3 * times.backward / (double)batch : 0);
+    } else {
+        mpt__logs_set(logs, "forward_ms_per_step",
+                      batch ? 1e3 * times.forward / (double)batch : 0);
+        mpt__logs_set(logs, "backward_ms_per_step",
+                      batch ? 1e3 * times.backward / (double)batch : 0);
+    }
     mpt__logs_set(logs, "update_ms_per_step", batch ? 1e3 * times.update / (double)batch : 0);
     mpt__fit_totals_add(&r->totals, batch, tally.samples, seconds, &times);
     return MPT_OK;
@@ -19698,6 +19711,7 @@ static void mpt__fit_totals_add(mpt__fit_totals *t, int64_t steps, int64_t sampl
     t->times.forward += times->forward;
     t->times.backward += times->backward;
     t->times.update += times->update;
+    t->times.together |= times->together;
 }
 
 /* How many times dynamic loss scaling grew the scale. Every skipped step
@@ -19756,8 +19770,12 @@ static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t)
     mpt__format_ms(c, sizeof c, backward);
     mpt__format_ms(d, sizeof d, update);
     mpt__format_ms(e, sizeof e, rest);
-    mpt__print(m, "Step: %s - forward: %s - backward: %s - update: %s - data and host: %s\n",
-               a, b, c, d, e);
+    if (t->times.together)
+        mpt__print(m, "Step: %s - forward and backward: %s - update: %s - data and host: %s\n",
+                   a, c, d, e);
+    else
+        mpt__print(m, "Step: %s - forward: %s - backward: %s - update: %s - data and host: %s\n",
+                   a, b, c, d, e);
     if (ls->mode == MPT_LOSS_SCALE_DYNAMIC)
         mpt__print(m, "Loss scale: %.9g -> %.9g (dynamic) - grew: %lld - shrank: %lld - "
                    "skipped steps: %lld\n", (double)t->first_scale, (double)m->loss_scale,
@@ -44722,6 +44740,7 @@ static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const m
     for (k = 0; k < n; k++) mpt__queue_update(m->replica[k]); /* the averaged statistics */
     times->backward += t1 - t0;
     times->update += mpt__now() - t1;
+    times->together = 1;
     return MPT_OK;
 }
 

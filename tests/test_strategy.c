@@ -437,6 +437,51 @@ static void test_loading_reaches_every_replica(void) {
     mpt_dataset_destroy(d);
 }
 
+/* With replicas, forward and backward run in each replica's task, so fit
+   times them as one: the summary says "forward and backward" and the logs
+   have forward_and_backward_ms_per_step instead of a forward of 0 ms and
+   a backward holding both; one replica keeps the two apart. */
+static void test_step_times_with_replicas(void) {
+    static char buf[16384];
+    test_text printed = {buf, sizeof buf, 0};
+    mpt_dataset *d = blobs();
+    int replicas;
+    for (replicas = 1; replicas <= 2; replicas++) {
+        mpt_strategy *s = replicas > 1 ? mirrored(replicas) : NULL;
+        mpt_model *m = model(s, MPT_POLICY_FLOAT32, 0, MPT_OPTIMIZER_SGD);
+        mpt_fit_desc fit = fit_for(2, 32);
+        const char *step;
+        double together, forward, backward, ms = -1, part = -1;
+        fit.verbose = 1;
+        fit.printer.fn = test_text_append;
+        fit.printer.user_data = &printed;
+        test_text_clear(&printed);
+        CHECK(mpt_model_fit(m, d, &fit) == MPT_OK, "fit: %s", mpt_context_error(ctx));
+        together = history_value(m, "forward_and_backward_ms_per_step", -1);
+        forward = history_value(m, "forward_ms_per_step", -1);
+        backward = history_value(m, "backward_ms_per_step", -1);
+        step = strstr(buf, "\nStep: ");
+        if (replicas > 1) {
+            CHECK(together > 0 && isnan(forward) && isnan(backward),
+                  "%d replicas: logs together %g, forward %g, backward %g", replicas, together,
+                  forward, backward);
+            CHECK(step && sscanf(step, "\nStep: %lfms - forward and backward: %lfms - update: ",
+                                 &ms, &part) == 2 && part > 0 && part <= ms,
+                  "%d replicas: step line: %s", replicas, step ? step : buf);
+        } else {
+            CHECK(isnan(together) && forward > 0 && backward > 0,
+                  "one replica: logs together %g, forward %g, backward %g", together, forward,
+                  backward);
+            CHECK(step && strstr(step, " - forward: ") && strstr(step, " - backward: ") &&
+                      !strstr(step, "forward and backward"),
+                  "one replica: step line: %s", step ? step : buf);
+        }
+        mpt_model_destroy(m);
+        mpt_strategy_destroy(s);
+    }
+    mpt_dataset_destroy(d);
+}
+
 static void run_cases(void) {
     TEST_RUN(test_replicas_match_one);
     TEST_RUN(test_r2_score_and_auc_over_replicas);
@@ -448,6 +493,7 @@ static void run_cases(void) {
     TEST_RUN(test_bad_input);
     TEST_RUN(test_accumulation_across_replicas);
     TEST_RUN(test_loading_reaches_every_replica);
+    TEST_RUN(test_step_times_with_replicas);
 }
 
 int main(void) {

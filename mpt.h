@@ -17748,12 +17748,19 @@ static void mpt__format_logs(char *buf, size_t size, const mpt_logs *logs, int s
 
 /* "123/469 [=====>........................] - ETA: 3s - loss: 0.5000" while
    running, "469/469 [==============================] - 2s 4ms/step - ..." at
-   the end (verbose 1); verbose 2 prints only "469/469 - 2s - 4ms/step - ...". */
+   the end (verbose 1); verbose 2 prints only "469/469 - 2s - 4ms/step - ...".
+   As Keras 2's progress bar: the count right-aligned to the total's digits
+   ("  7/469"), so the bar stays in place, and each line that overwrites a
+   longer one padded with spaces to its width, so that nothing of the
+   longer one stays behind it ("ETA: 10s" becoming "ETA: 9s"). *shown:
+   the last line's own width (past it the row holds spaces), 0 after a
+   final line. */
 static void mpt__progress(const mpt_model *m, int verbose, int64_t done, int64_t total,
-                          double elapsed, const mpt_logs *logs, int final) {
-    char bar[40], values[512], t[32], per[32];
+                          double elapsed, const mpt_logs *logs, int final, int *shown) {
+    char bar[40], values[512], t[32], per[32], line[700];
     double per_step = done ? elapsed / (double)done : 0;
-    int width = 30, filled = total ? (int)(width * done / total) : width, i;
+    int width = 30, filled = total ? (int)(width * done / total) : width, i, n;
+    int digits = snprintf(NULL, 0, "%lld", (long long)total);
     mpt__format_logs(values, sizeof values, logs, 1);
     if (per_step >= 1)
         snprintf(per, sizeof per, "%.0fs/step", per_step);
@@ -17773,13 +17780,16 @@ static void mpt__progress(const mpt_model *m, int verbose, int64_t done, int64_t
     bar[width] = 0;
     if (final) {
         mpt__format_seconds(t, sizeof t, elapsed);
-        mpt__print(m, "\r%lld/%lld [%s] - %s %s%s\n", (long long)done, (long long)total, bar, t,
-                   per, values);
+        n = snprintf(line, sizeof line, "%*lld/%lld [%s] - %s %s%s", digits, (long long)done,
+                     (long long)total, bar, t, per, values);
     } else {
         mpt__format_seconds(t, sizeof t, per_step * (double)(total - done));
-        mpt__print(m, "\r%lld/%lld [%s] - ETA: %s%s", (long long)done, (long long)total, bar, t,
-                   values);
+        n = snprintf(line, sizeof line, "%*lld/%lld [%s] - ETA: %s%s", digits, (long long)done,
+                     (long long)total, bar, t, values);
     }
+    n = MPT__MIN(n, (int)sizeof line - 1);
+    mpt__print(m, "\r%s%*s%s", line, *shown > n ? *shown - n : 0, "", final ? "\n" : "");
+    *shown = final ? 0 : n;
 }
 
 /* ---- fit ------------------------------------------------------------------------------ */
@@ -18106,6 +18116,7 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
     int64_t n = mpt_dataset_count(d), done = 0, *order;
     mpt_tensor x, y;
     double start = mpt__now(), last_print = 0;
+    int shown = 0; /* the progress line's width on the screen */
     mpt_status s = MPT_OK;
     memset(t, 0, sizeof *t);
     /* a replicated model evaluates on replica 0, in pieces it was built for */
@@ -18137,7 +18148,7 @@ static mpt_status mpt__evaluate(mpt_model *m, const mpt_dataset *d, int64_t batc
             if (done * batch_size < n) s = mpt__evaluation_tally(m, t);
             mpt__tally_logs(m, t, 0, &logs);
             mpt__progress(m, 1, done, (n + batch_size - 1) / batch_size, mpt__now() - start,
-                          &logs, done * batch_size >= n);
+                          &logs, done * batch_size >= n, &shown);
             last_print = mpt__now();
         }
     }
@@ -18189,6 +18200,8 @@ typedef struct mpt__fit_run {
     int64_t done;                /* samples the epoch's steps have taken */
     int64_t rows, global_rows;   /* of the batch fit_take gave      */
     mpt__fit_totals totals;      /* for the summary after the last epoch */
+    int progress_shown;          /* the width of the progress line on the
+                                    screen (mpt__progress)           */
     struct mpt__profile *profile;  /* profile_batch's, until its range is
                                       written; NULL: steps are not timed */
     struct mpt__profile *profiled; /* then: its table, for fit's end     */
@@ -18485,7 +18498,8 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
         mpt__tally_logs(m, &tally, 0, &batch_logs);
         MPT__EACH_CALLBACK(d, on_batch_end, m, batch - 1, &batch_logs, stop);
         if (print && batch < r->steps) {
-            mpt__progress(m, 1, batch, r->steps, mpt__now() - start, &batch_logs, 0);
+            mpt__progress(m, 1, batch, r->steps, mpt__now() - start, &batch_logs, 0,
+                          &r->progress_shown);
             last_print = mpt__now();
         }
     }
@@ -18500,7 +18514,8 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
         MPT__CHECK(mpt__evaluate(m, r->val, d->batch_size, 0, &vt));
         mpt__tally_logs(m, &vt, 1, logs);
     }
-    if (d->verbose) mpt__progress(m, d->verbose, batch, r->steps, seconds, logs, 1);
+    if (d->verbose)
+        mpt__progress(m, d->verbose, batch, r->steps, seconds, logs, 1, &r->progress_shown);
     mpt__logs_set(logs, "learning_rate",
                   mpt__learning_rate_at(&m->compile.optimizer, m->learning_rate,
                                         mpt__schedule_step(&m->compile.optimizer,

@@ -1522,6 +1522,45 @@ static void test_summary_and_progress(void) {
     mpt_dataset_destroy(d);
 }
 
+/* Keras 2's live line: the count right-aligned to the total's digits (the
+   bar stays in place), a line shorter than the one it overwrites padded
+   with spaces to that width (nothing of the longer one left on the
+   screen; what is remembered is the line's own width, past which the
+   screen now holds spaces), and the final line the same, ending the row. */
+static void test_progress_line_overwrites_cleanly(void) {
+    mpt_model *m = blob_model(MPT_POLICY_FLOAT32, 1);
+    mpt_logs logs;
+    int shown = 0;
+    size_t first;
+    memset(&logs, 0, sizeof logs);
+    mpt__logs_set(&logs, "loss", 0.5);
+    mpt__logs_set(&logs, "accuracy", 0.75);
+    m->printer.fn = test_text_append;
+    m->printer.user_data = &printed_to;
+    test_text_clear(&printed_to);
+    mpt__progress(m, 1, 7, 469, 1.0, &logs, 0, &shown);
+    first = strlen(printed);
+    CHECK(strncmp(printed, "\r  7/469 [.", 11) == 0 && strstr(printed, " - accuracy: 0.7500") &&
+              shown == (int)first - 1,
+          "first line (shown %d): '%s'", shown, printed);
+    memset(&logs, 0, sizeof logs);
+    mpt__logs_set(&logs, "loss", 0.25);
+    test_text_clear(&printed_to);
+    mpt__progress(m, 1, 400, 469, 50.0, &logs, 0, &shown);
+    CHECK(strncmp(printed, "\r400/469 [", 10) == 0 && strlen(printed) == first &&
+              printed[first - 1] == ' ' && strstr(printed, "loss: 0.2500   ") &&
+              shown == (int)(strstr(printed, "0.2500") + 6 - printed) - 1,
+          "shorter line (shown %d, %zu bytes against %zu): '%s'", shown, strlen(printed), first,
+          printed);
+    test_text_clear(&printed_to);
+    mpt__progress(m, 1, 469, 469, 60.0, &logs, 1, &shown);
+    CHECK(strncmp(printed, "\r469/469 [==============================] - ", 44) == 0 &&
+              printed[strlen(printed) - 1] == '\n' && shown == 0,
+          "final line (shown %d): '%s'", shown, printed);
+    m->printer.fn = NULL;
+    mpt_model_destroy(m);
+}
+
 /* ---- a user callback sees every batch and can stop training ---------------------------- */
 
 typedef struct counter {
@@ -2799,6 +2838,7 @@ static void run_cases(void) {
     TEST_RUN(test_overflow_skips_the_step);
     TEST_RUN(test_default_loss_scale);
     TEST_RUN(test_summary_and_progress);
+    TEST_RUN(test_progress_line_overwrites_cleanly);
     TEST_RUN(test_user_callback);
     TEST_RUN(test_steps_allocate_nothing);
     TEST_RUN(test_bad_input);

@@ -16998,10 +16998,13 @@ static int mpt__can_fuse_softmax(const mpt_model *m) {
 
 typedef struct mpt__step_times {
     double forward, backward, update; /* seconds, summed over an epoch */
-    int together;  /* forward and backward timed as one, all of it in
-                      backward: a model with replicas runs both in each
-                      replica's task, so no moment divides them */
 } mpt__step_times;
+
+/* Whether m's steps time forward and backward as one, all of it in
+   backward: under a strategy every step is mpt__replicas_step, whose
+   replicas run both in one task each, so no moment divides them (and
+   profile_batch, which times them apart, is refused there). */
+static int mpt__times_forward_with_backward(const mpt_model *m) { return m->strategy != NULL; }
 
 /* The batch's targets where the backend reads them: y (output 0's) into
    t, and the further outputs' labels (m->batch_label) in place. */
@@ -18455,7 +18458,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt_model *m = r->m;
     const mpt_fit_desc *d = r->d;
     mpt__tally tally;
-    mpt__step_times times = {0, 0, 0, 0};
+    mpt__step_times times = {0, 0, 0};
     int64_t batch = 0;
     int64_t skipped_before = m->skipped_steps;
     /* A tally sums over the workers, so all must take part in each: the
@@ -18524,7 +18527,7 @@ static mpt_status mpt__fit_epoch(mpt__fit_run *r, int epoch, mpt_logs *logs, int
     mpt__logs_set(logs, "skipped_steps", (double)(m->skipped_steps - skipped_before));
     mpt__logs_set(logs, "epoch_seconds", seconds);
     mpt__logs_set(logs, "samples_per_second", seconds > 0 ? (double)tally.samples / seconds : 0);
-    if (times.together) {
+    if (mpt__times_forward_with_backward(m)) {
         mpt__logs_set(logs, "forward_and_backward_ms_per_step",
                       batch ? 1e3 * times.backward / (double)batch : 0);
     } else {
@@ -19726,7 +19729,6 @@ static void mpt__fit_totals_add(mpt__fit_totals *t, int64_t steps, int64_t sampl
     t->times.forward += times->forward;
     t->times.backward += times->backward;
     t->times.update += times->update;
-    t->times.together |= times->together;
 }
 
 /* How many times dynamic loss scaling grew the scale. Every skipped step
@@ -19785,7 +19787,7 @@ static void mpt__fit_print_summary(const mpt_model *m, const mpt__fit_totals *t)
     mpt__format_ms(c, sizeof c, backward);
     mpt__format_ms(d, sizeof d, update);
     mpt__format_ms(e, sizeof e, rest);
-    if (t->times.together)
+    if (mpt__times_forward_with_backward(m))
         mpt__print(m, "Step: %s - forward and backward: %s - update: %s - data and host: %s\n",
                    a, c, d, e);
     else
@@ -28026,6 +28028,12 @@ static int mpt__ask_linux_for_amx(void) {
 }
 #endif
 
+/* Whether a context made from d asks Linux for AMX's tile state: not
+   where d disables MPT_CPU_AMX_INT8 (nor does a device query through it). */
+static int mpt__asks_for_amx(const mpt_context_desc *d) {
+    return !(d->disable_cpu_features & MPT_CPU_AMX_INT8);
+}
+
 /* The SIMD features this CPU has (MPT_CPU_*), as a context and a device
    query report them. AMX where the CPU and the OS have it and, when
    ask_for_amx, Linux granted the tile state (a context that disables
@@ -28155,8 +28163,7 @@ MPTDEF mpt_status mpt_context_create(const mpt_context_desc *desc, mpt_context *
     ctx->allocator = d.allocator;
     ctx->logger = d.logger;
     ctx->num_threads = d.num_threads ? d.num_threads : mpt__default_threads();
-    ctx->cpu = mpt__cpu_features(!(d.disable_cpu_features & MPT_CPU_AMX_INT8)) &
-               ~d.disable_cpu_features;
+    ctx->cpu = mpt__cpu_features(mpt__asks_for_amx(&d)) & ~d.disable_cpu_features;
     ctx->scratch = (void **)mpt__calloc(ctx, sizeof(void *) * (size_t)ctx->num_threads);
     if (!ctx->scratch) {
         s = mpt__fail(ctx, MPT_ERR_OUT_OF_MEMORY, "context: out of memory");
@@ -28314,7 +28321,7 @@ MPTDEF mpt_status mpt_device_query(mpt_context *ctx, int index, mpt_device_info 
                          "device: index %d is not in 0..%d (0 is the CPU%s)", index, count - 1,
                          count > 1 ? ", 1.. the CUDA devices" : "; this build sees no other");
     if (index == 0) {
-        mpt__cpu_device_info(out, !(ctx->desc.disable_cpu_features & MPT_CPU_AMX_INT8));
+        mpt__cpu_device_info(out, mpt__asks_for_amx(&ctx->desc));
         return MPT_OK;
     }
 #ifdef MPT_CUDA
@@ -44755,7 +44762,6 @@ static mpt_status mpt__replicas_step(mpt_model *m, const mpt_tensor *xs, const m
     for (k = 0; k < n; k++) mpt__queue_update(m->replica[k]); /* the averaged statistics */
     times->backward += t1 - t0;
     times->update += mpt__now() - t1;
-    times->together = 1;
     return MPT_OK;
 }
 

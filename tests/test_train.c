@@ -1421,7 +1421,7 @@ static int unchanged(const mpt_model *m, snapshot *s) {
 /* One training step as fit runs it, the model's host copy of the training
    scalars pushed before and pulled after. */
 static mpt_status train_step(mpt_model *m, const mpt_tensor *x, const mpt_tensor *y) {
-    mpt__step_times times = {0, 0, 0, 0};
+    mpt__step_times times = {0, 0, 0};
     mpt_step_state st;
     mpt_tensor none; /* no sample weights */
     mpt_status s = mpt__state_push(m);

@@ -3108,7 +3108,12 @@ typedef struct mpt_export_desc {
 MPTDEF mpt_status mpt_model_export_tflite(mpt_model *m, const char *path,
                                           const mpt_export_desc *desc);
 /* The same model as an ONNX protobuf (IR version 7, opset 13) at path; the
-   input is "input", float32 (N, input shape...), the output "output". */
+   input is "input", float32 (N, input shape...), the output "output".
+   A full-integer model's file on an x86 CPU without VNNI (before Ice Lake
+   or Zen 4): ONNX Runtime's fused int8 kernels sum the bytes' products in
+   pairs in 16 bits there and saturate, far from the file's values; run it
+   there unfused (ORT_ENABLE_BASIC) or in LiteRT, which compute what the
+   file says. */
 MPTDEF mpt_status mpt_model_export_onnx(mpt_model *m, const char *path,
                                         const mpt_export_desc *desc);
 

@@ -130,6 +130,28 @@ static inline const char *test_python(void) {
     return py && *py ? py : "python3";
 }
 
+/* Python: ort_session(model, options=None), the ONNX Runtime CPU session
+   an interoperability test reads its outputs from. On an x86 CPU without
+   VNNI, ONNX Runtime's fused int8 kernels (QLinearConv, QGemm,
+   QLinearMatMul) multiply the bytes in pairs summed in 16 bits
+   (vpmaddubsw), which saturates: on a Zen 3 one Conv2D's output was 25
+   steps from its exact value and the int8 ResNet-20's top-1 agreed with
+   the exact one on 0 of 400 samples (the file run unfused agreed). There a
+   graph with QuantizeLinear runs unfused (ORT_ENABLE_BASIC: each Q/DQ
+   pair in float, as ONNX defines them); a test that checks the fusion
+   itself makes a session of its own for that. */
+#define TEST_ORT_SESSION_PY                                                                   \
+    "def ort_session(model, options=None):\n"                                                 \
+    "    import platform, onnx, onnxruntime as ort\n"                                        \
+    "    flags = open('/proc/cpuinfo').read().split()\n"                                      \
+    "    saturates = platform.machine() in ('x86_64', 'AMD64') and \\\n"                     \
+    "        'avx512_vnni' not in flags and 'avx_vnni' not in flags\n"                        \
+    "    if saturates and any(n.op_type == 'QuantizeLinear'\n"                                \
+    "                         for n in onnx.load(model).graph.node):\n"                       \
+    "        options = ort.SessionOptions()\n"                                                \
+    "        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC\n" \
+    "    return ort.InferenceSession(model, options, providers=['CPUExecutionProvider'])\n"
+
 /* Writes the Python program `text` to dir/name, and into cmd (size bytes)
    the shell command that runs it in test_python() on one argument, arg,
    its errors joined to its output. 0 when the file cannot be written or

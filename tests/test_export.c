@@ -401,7 +401,7 @@ static void round_to_half(mpt_model *m) {
 static const char *write_script(char *buf) {
     FILE *f = fopen(path_of(buf, "run.py"), "w");
     if (!f) return NULL;
-    fputs("import sys, numpy as np\n"
+    fputs("import sys, numpy as np\n" TEST_ORT_SESSION_PY
           "fmt, model, xin, n, out, wdtype = sys.argv[1:7]\n"
           "if xin.endswith('.gz'):  # IDX images, scaled as mpt.h's loader scales them\n"
           "    import gzip\n"
@@ -435,7 +435,7 @@ static const char *write_script(char *buf) {
           "    import onnx, onnxruntime as ort\n"
           "    proto = onnx.load(model)\n"
           "    onnx.checker.check_model(proto, full_check=True)\n"
-          "    s = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
+          "    s = ort_session(model)\n"
           "    x = shaped(x, s.get_inputs()[0].shape[1:])\n"
           "    y = s.run(None, {'input': x})[0]\n"
           "    kernels = [onnx.helper.tensor_dtype_to_np_dtype(t.data_type)\n"
@@ -1367,7 +1367,7 @@ static mpt_model *multi_io_model(void) {
 static const char *write_multi_script(char *buf) {
     FILE *f = fopen(path_of(buf, "run_multi.py"), "w");
     if (!f) return NULL;
-    fputs("import sys, numpy as np\n"
+    fputs("import sys, numpy as np\n" TEST_ORT_SESSION_PY
           "fmt, model, n, xin, vin, out = sys.argv[1:7]\n"
           "dt = sys.argv[7] if len(sys.argv) > 7 else '<f4'  # uint8: the io codes\n"
           "n = int(n)\n"
@@ -1388,7 +1388,7 @@ static const char *write_multi_script(char *buf) {
           "else:\n"
           "    import onnx, onnxruntime as ort\n"
           "    onnx.checker.check_model(onnx.load(model), full_check=True)\n"
-          "    s = ort.InferenceSession(model, providers=['CPUExecutionProvider'])\n"
+          "    s = ort_session(model)\n"
           "    names = [o.name for o in s.get_outputs()]\n"
           "    assert names == ['cls', 'reg', 'trunk'], names\n"
           "    ys = s.run(None, feeds)\n"
@@ -1881,11 +1881,12 @@ static mpt_model *quantize_full_integer(mpt_model *m, mpt_dtype io) {
    int8 io, a final Gemm stays in float: ONNX Runtime merges the output's
    QuantizeLinear into the Gemm's own, which then makes the graph's output,
    and it fuses no operation whose QuantizeLinear does), and writes the
-   outputs as float32. */
+   outputs as float32 (ort_session's: unfused where the fused kernels
+   saturate, test.h). */
 static const char *write_qdq_script(char *buf) {
     FILE *f = fopen(path_of(buf, "run_qdq.py"), "w");
     if (!f) return NULL;
-    fputs("import sys, numpy as np, onnx, onnxruntime as ort\n"
+    fputs("import sys, numpy as np, onnx, onnxruntime as ort\n" TEST_ORT_SESSION_PY
           "model, xin, n, out, io = sys.argv[1:6]\n"
           "weightless = sys.argv[6:] == ['weightless']  # a pooling or activation alone\n"
           "proto = onnx.load(model)\n"
@@ -1911,7 +1912,7 @@ static const char *write_qdq_script(char *buf) {
           "    (s.get_inputs()[0].type, s.get_outputs()[0].type, io)\n"
           "shape = [int(n)] + list(s.get_inputs()[0].shape[1:])\n"
           "x = np.fromfile(xin, dtype='<f4' if io == 'float32' else io).reshape(shape)\n"
-          "y = s.run(None, {'input': x})[0]\n"
+          "y = ort_session(model).run(None, {'input': x})[0]\n"
           "np.ascontiguousarray(y, dtype='<f4').tofile(out)\n",
           f);
     fclose(f);

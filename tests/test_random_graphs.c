@@ -1116,8 +1116,9 @@ static const char runtimes_script[] =
     "    it.set_tensor(i['index'], x)\n"
     "    it.invoke()\n"
     "    return it.get_tensor(o['index'])\n"
+    TEST_ORT_SESSION_PY
     "def onnx(path, x):\n"
-    "    s = ort.InferenceSession(path, providers=['CPUExecutionProvider'])\n"
+    "    s = ort_session(path)\n"
     "    return s.run(None, {s.get_inputs()[0].name: x})[0]\n"
     "inputs, checked = {}, 0\n"
     "for line in open(sys.argv[1]):\n"

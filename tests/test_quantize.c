@@ -2506,8 +2506,9 @@ static void test_small_conv_scalar_reference(void) {
    Winograd's 3×3 and the tiles, with and without ReLU, on 1 and 2 threads;
    and again on the next calls (batches of 1, then all), which read the
    kernel the first one prepared (conv_ws, kept: the one-channel and
-   Winograd cases, where AVX-512 runs the direct convolution). With a MaxPooling2D after it (the last case: Winograd
-   in chunks, its pooling declined by the epilogue), the next call still
+   Winograd cases, where AVX-512 runs the direct convolution). With a
+   MaxPooling2D after it (the last case: Winograd in chunks, its pooling
+   declined by the epilogue), the next call still
    reads the kernel kept, not one prepared again: with the kept one
    spoilt, its outputs change. */
 static void test_float16_conv_direct(void) {
